@@ -1,0 +1,37 @@
+"""Attention backend interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.kvcache.pool import KVPool
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a ``KVPool`` for a batch of mixed requests.
+
+    Each request contributes ``extend_len`` new tokens whose queries attend
+    causally to its whole sequence: the cached prefix already in the pool plus
+    the new tokens themselves. Decode is the case ``extend_len == 1``.
+    """
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        """Plan the batch once; every layer's ``forward`` then reuses the plan."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
+        """Write the new ``k``/``v`` ``[n, kv_heads, head_dim]`` into the pool, then
+        return attention output ``[n, heads, head_dim]`` for ``q`` ``[n, heads, head_dim]``."""

@@ -1,0 +1,27 @@
+"""Model classes by HF architecture name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
+
+
+def build_model(cfg: ModelConfig) -> LlamaForCausalLM:
+    try:
+        cls = MODEL_REGISTRY[cfg.architecture]
+    except KeyError:
+        raise ModelConfigError(
+            f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None
+    return cls(cfg)

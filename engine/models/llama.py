@@ -1,0 +1,170 @@
+"""Llama-family decoder. Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm) differ only in
+flags of ``ModelConfig``, so they reuse these modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.config import ModelConfig
+from engine.layers.activation import silu_and_mul
+from engine.layers.linear import MergedLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.weights import WeightLoadError, load_named_weights
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size,
+            {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+            cfg.attention_bias,
+        )
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.forward(q, k, v, self.layer)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, False
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter fragment, shard name)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", "gate"),
+        ".up_proj.": (".gate_up_proj.", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` after the final norm."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, attn)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each."""
+        params = dict(self.named_parameters())
+        expected = {
+            n: set(getattr(self.get_submodule(n.rsplit(".", 1)[0]), "shards", {None}))
+            for n in params
+        }
+        seen: dict[str, set[str | None]] = {n: set() for n in params}
+
+        def targets(name: str) -> tuple[str, str | None] | None:
+            if "rotary_emb.inv_freq" in name:
+                return None
+            if name == "lm_head.weight" and self.lm_head is None:
+                return None  # tied checkpoints may still store a copy
+            for frag, (fused, shard) in self.stacked_params.items():
+                if frag in name:
+                    return name.replace(frag, fused), shard
+            return name, None
+
+        for name, tensor in weights:
+            t = targets(name)
+            if t is None:
+                continue
+            pname, shard = t
+            if pname not in params:
+                raise WeightLoadError(f"unexpected weight {name!r} in checkpoint")
+            param = params[pname]
+            dst = param.data
+            if shard is not None:
+                dst = dst[self.get_submodule(pname.rsplit(".", 1)[0]).shard_slice(shard)]
+            load_named_weights(name, dst, tensor)
+            seen[pname].add(shard)
+        missing = [n for n, shards in expected.items() if seen[n] != shards]
+        if missing:
+            raise WeightLoadError(
+                f"checkpoint lacks {len(missing)} weight(s), e.g. {', '.join(sorted(missing)[:5])}"
+            )

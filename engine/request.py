@@ -1,0 +1,61 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.kvcache.radix import RadixNode
+
+
+class EngineRequestError(ValueError):
+    """A request the engine refuses (bad prompt, does not fit, duplicate id)."""
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_total_len: int
+    """Prompt plus output never exceed this (max_tokens and the context window)."""
+    fill_ids: list[int] = field(default_factory=list)
+    """Prompt then output: the tokens whose KV the request needs."""
+    output_logprobs: list[float] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Leading tokens of ``fill_ids`` whose KV is in the pool."""
+    num_cached_tokens: int = -1
+    """Prefix-cache hit at first admission (-1 until admitted)."""
+    cache_node: RadixNode | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.fill_ids:
+            self.fill_ids = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.fill_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.fill_ids) - len(self.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.fill_ids) - self.num_computed
+
+
+class StepOutput(NamedTuple):
+    rid: str
+    token_id: int
+    logprob: float
+    finish_reason: str | None
+    """None while running; "stop", "length" or "abort" at the end."""
+    num_cached_tokens: int

@@ -1,0 +1,82 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend, and runs
+one ``ForwardBatch`` at a time."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kvcache.pool import KVPool, KVPoolConfig
+from engine.models import build_model
+from engine.sampling import SamplingBatch, sample
+from engine.weights import init_dummy_weights, iter_safetensors
+
+
+class ForwardOutput(NamedTuple):
+    token_ids: torch.Tensor
+    """``[num_sampled]`` next token of each request that asked for logits."""
+    logprobs: torch.Tensor
+    """``[num_sampled]`` log-probability of that token under the raw logits."""
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created directly in the serving dtype and device so a
+    # large model never needs a float32 copy of itself.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        assert config.num_pages is not None, "EngineConfig must be resolved first"
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        with _default_dtype(model_config.dtype), torch.device(self.device):
+            self.model = build_model(model_config)
+        self.model.eval().requires_grad_(False)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(iter_safetensors(config.model))
+        self.pool = KVPool(
+            KVPoolConfig(
+                num_pages=config.num_pages,
+                page_size=config.page_size,
+                num_layers=model_config.num_layers,
+                num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim,
+                dtype=model_config.dtype,
+                device=config.device,
+            )
+        )
+        self.attn = get_attention_backend(config.attention_backend)(
+            self.pool, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[len(batch.logits_indices), vocab]`` in float32."""
+        self.attn.begin_forward(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> ForwardOutput:
+        logits = self.forward_logits(batch)
+        if sampling is None or logits.shape[0] == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return ForwardOutput(empty, empty.float())
+        out = sample(logits, sampling)
+        return ForwardOutput(out.token_ids, out.logprobs)

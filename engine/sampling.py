@@ -1,0 +1,294 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p and min-p.
+
+The whole batch is sampled with a handful of tensor ops on the logits' device;
+there is no Python loop over requests and no ``torch.Generator``.
+
+Randomness comes from a counter-based hash: the uniform number used for vocab
+entry ``v`` of a request is a pure function of ``(seed, step, v)``. A request's
+token therefore depends only on its seed, the index of the token in its output
+and its logits - never on which other requests share the batch or on its row.
+
+The draw is the Gumbel-max trick: ``argmax(logits / T + G)`` over the tokens the
+filters keep, with ``G = -log(-log(u))``. This picks token ``i`` with
+probability equal to its renormalised filtered probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+__all__ = ["SEED_LIMIT", "SampleOutput", "SamplingBatch", "fold_seed", "sample"]
+
+SEED_LIMIT = 2**31
+"""Seeds stored in a :class:`SamplingBatch` lie in ``[0, SEED_LIMIT)``."""
+
+_M32 = 0xFFFFFFFF
+_M16 = 0xFFFF
+# Constants that decorrelate the three inputs of the hash (seed, step, index).
+_SEED_SALT = 0x243F6A88
+_STEP_SALT = 0x9E3779B9
+_INDEX_SALT = 0x632BE5AB
+# murmur3 fmix32 multipliers.
+_FMIX_C1 = 0x85EBCA6B
+_FMIX_C2 = 0xC2B2AE35
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def _fmix32_int(x: int) -> int:
+    """murmur3's 32-bit finaliser on a Python int (used for seed folding)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _FMIX_C1) & _M32
+    x ^= x >> 13
+    x = (x * _FMIX_C2) & _M32
+    x ^= x >> 16
+    return x
+
+
+def fold_seed(seed: int) -> int:
+    """Map any non-negative integer seed into ``[0, 2**31)``.
+
+    Seeds already in range are returned unchanged; larger ones are hashed 32
+    bits at a time (deterministic across processes, unlike ``hash()``).
+    """
+    seed = int(seed)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if seed < SEED_LIMIT:
+        return seed
+    h = 0
+    while seed:
+        h = _fmix32_int(h ^ (seed & _M32)) + 1
+        seed >>= 32
+    return _fmix32_int(h) & (SEED_LIMIT - 1)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow.
+
+    The product is split on the 16-bit halves of ``x`` so every intermediate
+    stays below ``2**49``.
+    """
+    hi = ((x >> 16) * c) & _M16
+    return ((hi << 16) + (x & _M16) * c) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on an int64 tensor of values in ``[0, 2**32)``.
+
+    All values stay non-negative, so the right shifts are logical shifts.
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, _FMIX_C1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, _FMIX_C2)
+    return x ^ (x >> 16)
+
+
+def _row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """[B] int64 32-bit key of each (seed, step) pair."""
+    s = _fmix32((seed & _M32) ^ _SEED_SALT)
+    return _fmix32(((s ^ (step & _M32)) + _STEP_SALT) & _M32)
+
+
+def _fmix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """In-place :func:`_fmix32` on a large tensor; ``tmp`` is scratch of the same shape."""
+    for shift, mult in ((16, _FMIX_C1), (13, _FMIX_C2)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=tmp))
+        # x = (x * mult) mod 2**32, split on the 16-bit halves as in _mul32.
+        torch.bitwise_right_shift(x, 16, out=tmp).mul_(mult).bitwise_and_(_M16)
+        tmp.bitwise_left_shift_(16)
+        x.bitwise_and_(_M16).mul_(mult).add_(tmp).bitwise_and_(_M32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+
+
+def _gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 standard Gumbel noise; entry (r, v) depends on (seed[r], step[r], v) only."""
+    device = seed.device
+    keys = _row_keys(seed, step)
+    index = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    index_keys = _fmix32((index + _INDEX_SALT) & _M32)
+    h = keys[:, None] ^ index_keys[None, :]
+    h = _fmix32_(h, torch.empty_like(h))
+    # 23 hash bits -> u = (2j + 1) / 2**24: an odd integer below 2**24 times a power
+    # of two, so u is exact in float32 and lies strictly inside (0, 1).
+    u = h.bitwise_right_shift_(9).mul_(2).add_(1).to(torch.float32).mul_(2.0**-24)
+    # -log(u) > 0 for every u < 1, so the second log is finite.
+    return u.log_().neg_().log_().neg_()
+
+
+# --------------------------------------------------------------------------- batch
+
+
+class SamplingBatch(NamedTuple):
+    """Per-row sampling parameters of a batch, as tensors on the sampling device."""
+
+    temperature: torch.Tensor
+    """[B] float32; 0 means greedy for that row."""
+    top_k: torch.Tensor
+    """[B] int64 in [1, vocab_size]; vocab_size when disabled."""
+    top_p: torch.Tensor
+    """[B] float32 in (0, 1]."""
+    min_p: torch.Tensor
+    """[B] float32 in [0, 1]."""
+    seed: torch.Tensor
+    """[B] int64 in [0, 2**31)."""
+    step: torch.Tensor
+    """[B] int64: index of the token being sampled in the request's output (0 first)."""
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        steps: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Gather per-request parameters into tensors on ``device``.
+
+        ``seeds[i]`` is request i's effective seed (any non-negative int; it is
+        folded into ``[0, 2**31)`` with :func:`fold_seed`). ``steps[i]`` is the
+        index in the request's output of the token being sampled. Requests whose
+        params are greedy (temperature 0 or top_k 1) get temperature 0. The
+        ``needs_*`` flags only look at the sampled (non-greedy) rows.
+        """
+        n = len(params)
+        if len(seeds) != n or len(steps) != n:
+            raise ValueError(
+                f"params, seeds and steps must have one entry per request, "
+                f"got {n}, {len(seeds)}, {len(steps)}"
+            )
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        temperature: list[float] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
+        min_p: list[float] = []
+        needs_top_k = needs_top_p = needs_min_p = False
+        all_greedy = True
+        for p in params:
+            greedy = p.greedy
+            k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+            temperature.append(0.0 if greedy else float(p.temperature))
+            top_k.append(k)
+            top_p.append(float(p.top_p))
+            min_p.append(float(p.min_p))
+            if not greedy:
+                all_greedy = False
+                needs_top_k |= k < vocab_size
+                needs_top_p |= p.top_p < 1.0
+                needs_min_p |= p.min_p > 0.0
+        step_list = [int(s) for s in steps]
+        if any(s < 0 for s in step_list):
+            raise ValueError("steps must be >= 0")
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            seed=torch.tensor([fold_seed(s) for s in seeds], dtype=torch.int64, device=device),
+            step=torch.tensor(step_list, dtype=torch.int64, device=device),
+            all_greedy=all_greedy,
+            needs_top_k=needs_top_k,
+            needs_top_p=needs_top_p,
+            needs_min_p=needs_min_p,
+        )
+
+
+class SampleOutput(NamedTuple):
+    token_ids: torch.Tensor
+    """[B] int64."""
+    logprobs: torch.Tensor
+    """[B] float32: log-softmax of the raw (untempered, unfiltered) logits at the chosen token."""
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _keep_mask(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """[B, V] bool of the tokens that survive top-k, then top-p, then min-p.
+
+    Each filter becomes a per-row probability threshold, and a token is kept
+    when its probability reaches every threshold. Thresholds are values taken
+    from ``probs`` itself, so the comparisons are exact; tokens tied with the
+    last kept one are kept too. A disabled filter has threshold 0, so a row's
+    result does not depend on which filters the rest of the batch needs.
+    The most probable token always survives.
+    """
+    vocab_size = probs.shape[-1]
+    keep: torch.Tensor | None = None
+    if batch.needs_top_k or batch.needs_top_p:
+        sorted_probs = probs.sort(dim=-1, descending=True).values
+        k = batch.top_k.to(probs.device).clamp(1, vocab_size)[:, None]
+        if batch.needs_top_k:
+            keep = probs >= sorted_probs.gather(-1, k - 1)
+        if batch.needs_top_p:
+            top_p = batch.top_p.to(probs.device)[:, None]
+            positions = torch.arange(vocab_size, device=probs.device)[None, :]
+            in_top_k = sorted_probs.masked_fill(positions >= k, 0.0)
+            cumulative = in_top_k.cumsum(dim=-1)
+            # Mass strictly before each sorted position; a token is in the nucleus
+            # when the tokens ahead of it do not yet reach top_p of the top-k mass.
+            before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+            in_nucleus = before < top_p * cumulative[:, -1:]
+            count = torch.minimum(in_nucleus.sum(dim=-1, keepdim=True).clamp_min(1), k)
+            threshold = sorted_probs.gather(-1, count - 1)
+            threshold = threshold.masked_fill(top_p >= 1.0, 0.0)
+            keep_p = probs >= threshold
+            keep = keep_p if keep is None else keep.logical_and_(keep_p)
+    if batch.needs_min_p:
+        min_p = batch.min_p.to(probs.device)[:, None]
+        keep_m = probs >= min_p * probs.amax(dim=-1, keepdim=True)
+        keep = keep_m if keep is None else keep.logical_and_(keep_m)
+    return keep
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Sample one token per row of ``logits`` ([B, V], any float dtype).
+
+    Computation is in float32 on ``logits.device``. Greedy rows (temperature 0)
+    take ``argmax`` of the raw logits (ties go to the lowest index). Other rows
+    divide by their temperature, softmax, filter with top-k, top-p (relative to
+    the top-k mass) and min-p, and draw from the renormalised result with noise
+    that depends only on (seed, step, token index).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    rows, vocab_size = logits.shape
+    if batch.temperature.shape[0] != rows:
+        raise ValueError(f"batch has {batch.temperature.shape[0]} rows, logits have {rows}")
+    device = logits.device
+    x = logits.to(torch.float32)
+
+    greedy_ids = x.argmax(dim=-1)
+    if batch.all_greedy:
+        token_ids = greedy_ids
+    else:
+        temperature = batch.temperature.to(device)
+        is_greedy = temperature <= 0.0
+        # Greedy rows are overwritten at the end; divide them by 1 to stay finite.
+        scaled = x / torch.where(is_greedy, 1.0, temperature)[:, None]
+        keep = None
+        if batch.needs_top_k or batch.needs_top_p or batch.needs_min_p:
+            keep = _keep_mask(torch.softmax(scaled, dim=-1), batch)
+        scores = _gumbel_noise(batch.seed.to(device), batch.step.to(device), vocab_size)
+        scores.add_(scaled)
+        if keep is not None:
+            scores.masked_fill_(~keep, float("-inf"))
+        token_ids = torch.where(is_greedy, greedy_ids, scores.argmax(dim=-1))
+
+    chosen = x.gather(-1, token_ids[:, None]).squeeze(-1)
+    logprobs = chosen - torch.logsumexp(x, dim=-1)
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,60 @@
+"""Per-request sampling parameters (plain data; validated on construction)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter is out of range. ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Fixes the random stream of this request: same seed, same tokens."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience but the stored value stays immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidSamplingParams(
+                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise InvalidSamplingParams("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise InvalidSamplingParams(
+                "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k!r}"
+            )
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidSamplingParams(
+                "seed", f"must be a non-negative integer, got {self.seed!r}"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidSamplingParams("stop_token_ids", "token ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

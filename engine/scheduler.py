@@ -1,0 +1,251 @@
+"""Continuous-batching scheduler with chunked prefill under a token budget.
+
+Every request is handled the same way: it has ``fill_ids`` (prompt, then its
+output) of which ``num_computed`` already have KV in the pool. A step runs the
+next ``n`` of them; when that reaches the end of ``fill_ids`` the request gets
+logits and a new token. Decode is simply ``n == 1``; a retracted request comes
+back with its output in ``fill_ids`` and is recomputed by the same path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from engine.config import EngineConfig, ModelConfig
+from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
+from engine.kvcache.pool import KVPool
+from engine.kvcache.radix import RadixCache
+from engine.request import Request, StepOutput
+from engine.runner import ForwardOutput
+from engine.sampling import SamplingBatch
+
+
+class ScheduledBatch(NamedTuple):
+    requests: list[Request]
+    extend_lens: list[int]
+    forward: ForwardBatch
+    sample_requests: list[Request]
+    """Requests that get a token this step, in logits order."""
+    sampling: SamplingBatch | None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, pool: KVPool) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.allocator = pool.allocator
+        self.cache = (
+            RadixCache(self.allocator, self.page_size) if config.enable_prefix_cache else None
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        """Admitted requests (they hold pages), oldest first."""
+        self.num_retracted = 0
+
+    # -- bookkeeping -------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, rid: str) -> Request | None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                self._release(req)
+                return req
+        return None
+
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages, counting those only held by the prefix cache as free."""
+        cached = self.cache.evictable_pages if self.cache is not None else 0
+        return self.allocator.num_free + cached
+
+    # -- scheduling --------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.effective_chunk_size
+        chosen: list[tuple[Request, int]] = []
+        taken: set[int] = set()
+        # Requests about to decode go before running prefills so a long prompt
+        # cannot stall every stream; both go before new admissions.
+        order = sorted(self.running, key=lambda r: r.remaining > 1)
+        for req in order:
+            if budget == 0:
+                break
+            if req not in self.running:  # retracted to make room for an older one
+                continue
+            n = min(req.remaining, budget, chunk)
+            if self._reserve(req, n, taken):
+                chosen.append((req, n))
+                taken.add(id(req))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            self._admit_prefix(req)
+            n = min(req.remaining, budget, chunk)
+            if not self._reserve(req, n, None):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            chosen.append((req, n))
+            taken.add(id(req))
+            budget -= n
+        if not chosen:
+            return None
+        return self._build(chosen)
+
+    def _admit_prefix(self, req: Request) -> None:
+        """Point the request at its longest cached prefix (at least one token is left
+        to compute, since sampling needs that token's logits)."""
+        first = req.num_cached_tokens < 0
+        if self.cache is None:
+            req.num_cached_tokens = max(req.num_cached_tokens, 0)
+            return
+        m = self.cache.match_prefix(req.fill_ids, max_tokens=len(req.fill_ids) - 1, record=first)
+        self.cache.lock(m.node)
+        req.cache_node = m.node
+        req.page_table = list(m.pages)
+        req.num_computed = m.num_tokens
+        if first:
+            req.num_cached_tokens = m.num_tokens
+
+    def _reserve(self, req: Request, n: int, taken: set[int] | None) -> bool:
+        """Give ``req`` the pages for ``n`` more tokens. When the pool is dry, evict
+        unreferenced cache pages, then (if ``taken`` is given) retract the newest
+        running requests not yet in this batch, ``req`` itself last."""
+        need = _ceil_div(req.num_computed + n, self.page_size) - len(req.page_table)
+        while True:
+            pages = self._alloc(need)
+            if pages is not None:
+                req.page_table.extend(pages)
+                return True
+            if taken is None:
+                return False
+            victim = next(
+                (r for r in reversed(self.running) if id(r) not in taken and r is not req), req
+            )
+            self._retract(victim)
+            if victim is req:
+                return False
+
+    def _alloc(self, n: int) -> list[int] | None:
+        pages = self.allocator.alloc(n)
+        if pages is None and self.cache is not None:
+            self.cache.evict(n - self.allocator.num_free)
+            pages = self.allocator.alloc(n)
+        return pages
+
+    def _retract(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.num_retracted += 1
+
+    def _build(self, chosen: list[tuple[Request, int]]) -> ScheduledBatch:
+        specs = []
+        sample_reqs: list[Request] = []
+        for req, n in chosen:
+            end = req.num_computed + n
+            last = end == len(req.fill_ids)
+            if last:
+                sample_reqs.append(req)
+            specs.append(
+                ExtendSpec(
+                    req.fill_ids[req.num_computed : end],
+                    req.num_computed,
+                    req.page_table,
+                    "last" if last else "none",
+                )
+            )
+        device = self.pool.kv.device
+        fb = build_forward_batch(specs, self.page_size, device)
+        sampling = None
+        if sample_reqs:
+            sampling = SamplingBatch.build(
+                [r.params for r in sample_reqs],
+                [r.seed for r in sample_reqs],
+                [r.num_output for r in sample_reqs],
+                self.model_config.vocab_size,
+                device,
+            )
+        return ScheduledBatch(
+            [r for r, _ in chosen], [n for _, n in chosen], fb, sample_reqs, sampling
+        )
+
+    # -- results -----------------------------------------------------------
+
+    def process(self, batch: ScheduledBatch, out: ForwardOutput) -> list[StepOutput]:
+        for req, n in zip(batch.requests, batch.extend_lens):
+            req.num_computed += n
+        tokens = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        results: list[StepOutput] = []
+        sampled = {id(r) for r in batch.sample_requests}
+        for req, tok, lp in zip(batch.sample_requests, tokens, logprobs):
+            req.fill_ids.append(tok)
+            req.output_logprobs.append(lp)
+            req.finish_reason = self._finish_reason(req, tok)
+            if req.finish_reason is not None:
+                self.running.remove(req)
+                self._release(req)
+            results.append(StepOutput(req.rid, tok, lp, req.finish_reason, req.num_cached_tokens))
+        if self.cache is not None:
+            # Share finished prefill chunks at once, so concurrent requests with
+            # the same prefix (and a later retraction) reuse them.
+            for req, n in zip(batch.requests, batch.extend_lens):
+                if n > 1 and id(req) not in sampled:
+                    self._cache_computed(req)
+        return results
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if (not p.ignore_eos and tok in self.model_config.eos_token_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if req.num_output >= p.max_tokens or len(req.fill_ids) >= req.max_total_len:
+            return "length"
+        return None
+
+    def _cache_computed(self, req: Request) -> None:
+        """Insert the request's full computed pages into the prefix cache and hold
+        the node that now ends its cached prefix."""
+        assert self.cache is not None
+        full = req.num_computed // self.page_size
+        if full == 0:
+            return
+        res = self.cache.insert(req.fill_ids[: full * self.page_size], req.page_table[:full])
+        req.page_table[:full] = res.pages
+        self.cache.lock(res.node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = res.node
+
+    def _release(self, req: Request) -> None:
+        """Give back the request's pages: full computed pages go to the prefix
+        cache (unlocked, so evictable), the rest to the free list."""
+        kept = 0
+        if self.cache is not None:
+            self._cache_computed(req)
+            kept = req.num_computed // self.page_size
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+        self.allocator.free(req.page_table[kept:])
+        req.page_table = []
+        req.cache_node = None
+        req.num_computed = 0
