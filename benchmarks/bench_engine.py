@@ -1,0 +1,223 @@
+"""Engine micro-benchmark: prefill throughput and decode step time.
+
+    python benchmarks/bench_engine.py --model llama-3.1-8b --device cuda:0 \
+        --batch-sizes 1 8 32 --input-len 512 --decode-steps 32
+
+``--model`` is a checkpoint dir or a preset name (presets use dummy weights).
+Prints a table and writes a JSON record to ``--output-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
+from engine.presets import PRESETS  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+from engine.sampling import SamplingBatch  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def machine_info(device: str) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    info["cpu"] = platform.processor() or platform.machine()
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def bench_one(runner: ModelRunner, batch_size: int, args: argparse.Namespace) -> dict:
+    ps = runner.pool.page_size
+    vocab = runner.model_config.vocab_size
+    gen = torch.Generator().manual_seed(batch_size)
+    total = args.input_len + args.decode_steps + 1
+    tables = []
+    for _ in range(batch_size):
+        pages = runner.pool.allocator.alloc(-(-total // ps))
+        if pages is None:
+            raise SystemExit(
+                f"KV pool too small for batch {batch_size}; raise --kv-cache-memory-gb"
+            )
+        tables.append(pages)
+    prompts = [torch.randint(3, vocab, (args.input_len,), generator=gen).tolist() for _ in tables]
+
+    # Prefill: the whole batch's prompts, split into forwards of at most
+    # --prefill-tokens tokens (whole prompts per forward).
+    per_fwd = max(1, args.prefill_tokens // args.input_len)
+    groups = [list(range(i, min(i + per_fwd, batch_size))) for i in range(0, batch_size, per_fwd)]
+
+    def prefill() -> None:
+        for g in groups:
+            specs = [ExtendSpec(prompts[i], 0, tables[i]) for i in g]
+            runner.forward_logits(build_forward_batch(specs, ps, runner.device))
+
+    prefill()  # warm-up
+    sync(args.device)
+    t0 = time.perf_counter()
+    prefill()
+    sync(args.device)
+    prefill_s = time.perf_counter() - t0
+
+    params = [SamplingParams(temperature=0.0)] * batch_size
+    tokens = [p[-1] for p in prompts]
+    step_times = []
+    for step in range(args.decode_steps + 1):
+        pos = args.input_len + step
+        specs = [ExtendSpec([tokens[i]], pos, tables[i]) for i in range(batch_size)]
+        sampling = SamplingBatch.build(
+            params, [0] * batch_size, [step] * batch_size, vocab, runner.device
+        )
+        sync(args.device)
+        t0 = time.perf_counter()
+        fb = build_forward_batch(specs, ps, runner.device)
+        out = runner.forward(fb, sampling)
+        tokens = out.token_ids.tolist()
+        step_times.append(time.perf_counter() - t0)
+    step_times = step_times[1:]  # first step is warm-up
+    for t in tables:
+        runner.pool.allocator.free(t)
+    step_ms = statistics.median(step_times) * 1e3
+    return {
+        "batch_size": batch_size,
+        "input_len": args.input_len,
+        "prefill_tokens_per_s": batch_size * args.input_len / prefill_s,
+        "prefill_s": prefill_s,
+        "decode_step_ms_median": step_ms,
+        "decode_step_ms_mean": statistics.mean(step_times) * 1e3,
+        "decode_tokens_per_s": batch_size / (step_ms / 1e3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"checkpoint dir or preset ({', '.join(PRESETS)}); default: the built-in tiny model",
+    )
+    ap.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy = random weights (implied for presets)",
+    )
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    ap.add_argument("--attention-backend", default="auto", help="auto, torch_native, ...")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
+    ap.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes"
+    )
+    ap.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
+    ap.add_argument("--decode-steps", type=int, default=16, help="timed decode steps")
+    ap.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=8192,
+        help="largest number of prompt tokens per forward",
+    )
+    ap.add_argument(
+        "--output-file",
+        default=None,
+        help="JSON file to write (default: benchmarks/results/engine-<model>-<date>.json)",
+    )
+    args = ap.parse_args(argv)
+
+    model = args.model
+    if model is None:
+        from engine.tiny import ensure_tiny_model
+
+        model = str(ensure_tiny_model())
+    load_format = "dummy" if model in PRESETS else args.load_format
+    dtype = args.dtype
+    if dtype == "auto" and not args.device.startswith("cuda"):
+        dtype = "float32"
+    cfg = EngineConfig(
+        model=model,
+        load_format=load_format,
+        dtype=dtype,
+        device=args.device,
+        page_size=args.page_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        attention_backend=args.attention_backend,
+    )
+    mc = ModelConfig.load(model, cfg.torch_dtype)
+    cfg = cfg.resolve(mc)
+    t0 = time.perf_counter()
+    runner = ModelRunner(cfg, mc)
+    load_s = time.perf_counter() - t0
+
+    rows = [bench_one(runner, b, args) for b in args.batch_sizes]
+    print(
+        f"model={model} dtype={mc.dtype} device={args.device} backend={cfg.attention_backend} "
+        f"page_size={cfg.page_size} load={load_s:.1f}s"
+    )
+    print(
+        f"{'batch':>6} {'input':>6} {'prefill tok/s':>14} {'decode ms/step':>15} {'decode tok/s':>13}"
+    )
+    for r in rows:
+        print(
+            f"{r['batch_size']:>6} {r['input_len']:>6} {r['prefill_tokens_per_s']:>14.0f} "
+            f"{r['decode_step_ms_median']:>15.2f} {r['decode_tokens_per_s']:>13.0f}"
+        )
+    now = datetime.now(timezone.utc)
+    record = {
+        "benchmark": "engine",
+        "date": now.isoformat(timespec="seconds"),
+        "command": " ".join(
+            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "git_commit": git_commit(),
+        "machine": machine_info(args.device),
+        "model": Path(model).name if Path(model).exists() else model,
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "device": args.device,
+        "attention_backend": cfg.attention_backend,
+        "page_size": cfg.page_size,
+        "results": rows,
+    }
+    out = args.output_file
+    if out is None:
+        name = record["model"].replace("/", "_")
+        out = Path(__file__).parent / "results" / f"engine-{name}-{now:%Y%m%d-%H%M%S}.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
