@@ -116,3 +116,20 @@ def test_sharded_checkpoint(hf_checkpoint) -> None:
     pages = random_pages(runner, len(ids), random.Random(5))
     ours = runner.forward_logits(build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 1, "cpu"))
     assert (ours - hf_logits(hf, ids)).abs().max() < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_hf(hf_checkpoint, dtype: torch.dtype) -> None:
+    path, hf = hf_checkpoint("qwen3-gqa2-tied")
+    mc = ModelConfig.load(path, dtype)
+    cfg = EngineConfig(model=str(path), page_size=4, num_pages=64).resolve(mc)
+    runner = ModelRunner(cfg, mc)
+    assert runner.pool.kv.dtype == dtype
+    assert next(runner.model.parameters()).dtype == dtype
+    ids = prompt(21, 6)
+    pages = random_pages(runner, len(ids), random.Random(7))
+    ours = runner.forward_logits(build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu"))
+    ref = hf_logits(hf, ids)
+    # Half precision: close to the fp32 reference, not equal.
+    assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
