@@ -12,12 +12,12 @@ from engine.scheduler import Scheduler
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
         model_config = ModelConfig.load(config.model, config.torch_dtype)
         self.config = config.resolve(model_config)
         self.model_config = model_config
         self.runner = ModelRunner(self.config, model_config)
-        self.scheduler = Scheduler(self.config, model_config, self.runner.pool)
+        self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
 
@@ -27,6 +27,10 @@ class Engine:
         return self.config.context_length
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.scheduler.add(self.build_request(rid, prompt_ids, params))
+
+    def build_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and register a request id; the caller queues the request."""
         if rid in self._rids:
             raise EngineRequestError(f"request id {rid!r} is already in use")
         if not prompt_ids:
@@ -56,7 +60,11 @@ class Engine:
         seed = params.seed % (1 << 31) if params.seed is not None else self._rng.randrange(1 << 31)
         req = Request(rid, list(prompt_ids), params, seed, max_total)
         self._rids.add(rid)
-        self.scheduler.add(req)
+        return req
+
+    def forget(self, rid: str) -> None:
+        """The request id may be used again."""
+        self._rids.discard(rid)
 
     def abort(self, rid: str) -> StepOutput | None:
         req = self.scheduler.abort(rid)

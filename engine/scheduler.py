@@ -35,6 +35,9 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class Scheduler:
+    share_chunks = True
+    """Insert each computed prefill chunk into the prefix cache right away."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, pool: KVPool) -> None:
         self.config = config
         self.model_config = model_config
@@ -130,7 +133,7 @@ class Scheduler:
         """Give ``req`` the pages for ``n`` more tokens. When the pool is dry, evict
         unreferenced cache pages, then (if ``taken`` is given) retract the newest
         running requests not yet in this batch, ``req`` itself last."""
-        need = _ceil_div(req.num_computed + n, self.page_size) - len(req.page_table)
+        need = _ceil_div(self._reserve_target(req, n), self.page_size) - len(req.page_table)
         while True:
             pages = self._alloc(need)
             if pages is not None:
@@ -144,6 +147,10 @@ class Scheduler:
             self._retract(victim)
             if victim is req:
                 return False
+
+    def _reserve_target(self, req: Request, n: int) -> int:
+        """Tokens the request must have pages for before running ``n`` more."""
+        return req.num_computed + n
 
     def _alloc(self, n: int) -> list[int] | None:
         pages = self.allocator.alloc(n)
@@ -204,15 +211,32 @@ class Scheduler:
             req.finish_reason = self._finish_reason(req, tok)
             if req.finish_reason is not None:
                 self.running.remove(req)
-                self._release(req)
+                self._on_finish(req)
             results.append(StepOutput(req.rid, tok, lp, req.finish_reason, req.num_cached_tokens))
-        if self.cache is not None:
+        if self.cache is not None and self.share_chunks:
             # Share finished prefill chunks at once, so concurrent requests with
             # the same prefix (and a later retraction) reuse them.
             for req, n in zip(batch.requests, batch.extend_lens):
                 if n > 1 and id(req) not in sampled:
                     self._cache_computed(req)
         return results
+
+    def _on_finish(self, req: Request) -> None:
+        self._release(req)
+
+    def reserve_prompt(self, req: Request) -> bool:
+        """Match the prefix cache and allocate pages for all of ``fill_ids``
+        without scheduling it (KV will be written by someone else). On failure
+        nothing is held."""
+        self._admit_prefix(req)
+        if self._reserve(req, len(req.fill_ids) - req.num_computed, None):
+            return True
+        self._release(req)
+        return False
+
+    def release(self, req: Request) -> None:
+        """Give back the pages of a request this scheduler no longer tracks."""
+        self._release(req)
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

@@ -1,0 +1,1 @@
+"""Request-plane messages and client. Torch-free: the gateway imports this."""

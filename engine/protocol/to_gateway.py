@@ -1,0 +1,27 @@
+"""Messages a worker sends back to the requester on the request plane."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    """None while running; "stop", "length", "abort" or "error" at the end."""
+    num_cached_tokens: int = 0
+    error: str | None = None
+    """Set with finish_reason "error": why the request failed."""
+
+
+class Tokens(msgspec.Struct, tag="tokens", frozen=True):
+    """The new tokens of every request of this requester, one frame per step."""
+
+    deltas: list[TokenDelta]
+
+
+ToGateway = Tokens
+decoder = msgspec.msgpack.Decoder(ToGateway)
+encoder = msgspec.msgpack.Encoder()
