@@ -1,0 +1,36 @@
+"""KV-cache transfer between prefill and decode workers.
+
+Backends are looked up by name; their modules are imported only when used, so
+a missing optional dependency (``nixl``) only matters to whoever asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvtransfer.backend import TransferBackend
+
+# name -> "module:Class", resolved lazily by backend_class().
+TRANSFER_BACKENDS: dict[str, str] = {
+    "tcp": "kvtransfer.tcp:TcpBackend",
+    "nixl": "kvtransfer.nixl:NixlBackend",
+}
+
+
+def backend_class(name: str) -> type[TransferBackend]:
+    """The backend class registered as ``name``."""
+    try:
+        target = TRANSFER_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown KV transfer backend {name!r}; choices: {', '.join(sorted(TRANSFER_BACKENDS))}"
+        ) from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_backend(name: str, agent_name: str, **kwargs: Any) -> TransferBackend:
+    """Build backend ``name`` for agent ``agent_name``; ``kwargs`` go to its
+    constructor (e.g. ``host``/``timeout`` for tcp, ``backends`` for nixl)."""
+    return backend_class(name)(agent_name, **kwargs)

@@ -1,0 +1,47 @@
+"""KV-plane setup shared by the prefill and decode roles: the transfer backend
+over the engine's KV pool and the compatibility record of the handshake."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from engine.engine import Engine
+from kvtransfer import make_backend
+from kvtransfer.backend import TransferBackend
+from kvtransfer.compat import compat_info
+
+
+def engine_compat(engine: Engine, backend_name: str) -> dict[str, str]:
+    mc = engine.model_config
+    pool = engine.runner.pool
+    return compat_info(
+        model=_model_id(engine.config.model),
+        architecture=mc.architecture,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype=str(mc.dtype).removeprefix("torch."),
+        page_size=pool.page_size,
+        page_bytes=pool.config.page_bytes,
+        backend=backend_name,
+    )
+
+
+def _model_id(model: str) -> str:
+    """The served model's name plus its config's content hash, so two workers
+    agree only when they serve the same model (path-independent)."""
+    import hashlib
+
+    cfg = Path(model) / "config.json"
+    if cfg.is_file():
+        digest = hashlib.sha256(cfg.read_bytes()).hexdigest()[:12]
+        return f"{Path(model).name}@{digest}"
+    return os.path.basename(model)
+
+
+def kv_backend(engine: Engine, backend_name: str, agent_name: str, host: str) -> TransferBackend:
+    kwargs = {"host": host} if backend_name == "tcp" else {}
+    backend = make_backend(backend_name, agent_name, **kwargs)
+    backend.register(engine.runner.pool.kv)
+    return backend

@@ -1,0 +1,147 @@
+"""The decode engine's end of the KV plane: one DEALER per prefill engine,
+opened on first use with a handshake; messages wait until it succeeds."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvtransfer import to_decode, to_prefill
+from kvtransfer.backend import TransferBackend
+from kvtransfer.compat import compat_hash, sign
+
+log = logging.getLogger(__name__)
+
+
+class PeerFailed(msgspec.Struct, frozen=True):
+    """A prefill engine is unusable: handshake refused, unreachable, or silent."""
+
+    reason: str
+
+
+@dataclass
+class _Peer:
+    sock: zmq.Socket
+    started: float
+    ok: bool = False
+    queued: list[bytes] = field(default_factory=list)
+
+
+class DecodeKVPlane:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        backend: TransferBackend,
+        compat: dict[str, str],
+        cluster_token: str,
+        handshake_timeout_s: float,
+    ) -> None:
+        self.backend = backend
+        self.compat = compat
+        self.cluster_token = cluster_token
+        self.handshake_timeout_s = handshake_timeout_s
+        self._ctx = zmq.Context.instance()
+        # Bound only to claim a unique, reachable name on the KV plane.
+        self._own = self._ctx.socket(zmq.ROUTER)
+        self._own.setsockopt(zmq.LINGER, 0)
+        if port == 0:
+            port = self._own.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._own.bind(f"tcp://{host}:{port}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._peers: dict[str, _Peer] = {}
+        self._failed: list[tuple[str, PeerFailed]] = []
+
+    def send(self, prefill_endpoint: str, msg: to_prefill.ToPrefill) -> None:
+        peer = self._peers.get(prefill_endpoint) or self._connect(prefill_endpoint)
+        payload = to_prefill.encoder.encode(msg)
+        if peer.ok:
+            peer.sock.send(payload, zmq.NOBLOCK)
+        else:
+            peer.queued.append(payload)
+
+    def _connect(self, endpoint: str) -> _Peer:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self.endpoint.encode())
+        sock.connect(endpoint)
+        nonce = secrets.token_hex(8)
+        hs = to_prefill.Handshake(
+            decode_name=self.endpoint,
+            compat=self.compat,
+            nonce=nonce,
+            mac=sign(self.cluster_token, self.endpoint, compat_hash(self.compat), nonce),
+            metadata=self.backend.metadata(),
+        )
+        sock.send(to_prefill.encoder.encode(hs), zmq.NOBLOCK)
+        peer = _Peer(sock, time.monotonic())
+        self._peers[endpoint] = peer
+        return peer
+
+    def poll(
+        self,
+    ) -> list[tuple[str, to_decode.Done | to_decode.RoomFailed | to_decode.AbortAck | PeerFailed]]:
+        events: list = list(self._failed)
+        self._failed.clear()
+        now = time.monotonic()
+        for endpoint, peer in list(self._peers.items()):
+            while True:
+                try:
+                    payload = peer.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = to_decode.decoder.decode(payload)
+                except msgspec.DecodeError as e:
+                    log.warning("dropping malformed KV-plane frame from %s: %s", endpoint, e)
+                    continue
+                if isinstance(msg, to_decode.HandshakeOk):
+                    peer.ok = True
+                    for q in peer.queued:
+                        peer.sock.send(q, zmq.NOBLOCK)
+                    peer.queued.clear()
+                elif isinstance(msg, to_decode.HandshakeRejected):
+                    self._drop(endpoint)
+                    events.append((endpoint, PeerFailed(msg.reason)))
+                    break
+                else:
+                    events.append((endpoint, msg))
+            if (
+                not peer.ok
+                and endpoint in self._peers
+                and now - peer.started > self.handshake_timeout_s
+            ):
+                self._drop(endpoint)
+                events.append(
+                    (
+                        endpoint,
+                        PeerFailed(
+                            f"no KV-plane handshake answer from {endpoint} "
+                            f"within {self.handshake_timeout_s:g}s"
+                        ),
+                    )
+                )
+        return events
+
+    def _drop(self, endpoint: str) -> None:
+        peer = self._peers.pop(endpoint, None)
+        if peer is not None:
+            peer.sock.close(0)
+
+    def drop_peer(self, endpoint: str, reason: str) -> None:
+        """Forget a prefill engine (e.g. it stopped answering); reconnects on next use."""
+        if endpoint in self._peers:
+            self._drop(endpoint)
+            self._failed.append((endpoint, PeerFailed(reason)))
+
+    def close(self) -> None:
+        for endpoint in list(self._peers):
+            self._drop(endpoint)
+        self._own.close(0)
+        self.backend.close()

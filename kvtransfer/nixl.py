@@ -1,0 +1,294 @@
+"""NIXL transfer backend (UCX underneath): one-sided writes into a peer's
+registered buffer, host (DRAM) or GPU (VRAM) memory.
+
+``nixl`` is imported lazily, so this module imports without it. The PyPI
+meta package ``nixl`` exposes the API as ``nixl._api``; the per-CUDA wheels
+(``nixl-cu12`` / ``nixl-cu13``) also work alone, as ``nixl_cu12._api`` etc.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from kvtransfer.backend import ByteRange, TransferBackend, TransferError, TransferState
+from kvtransfer.layout import buffer_nbytes, check_ranges
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+def import_nixl() -> Any:
+    """The ``nixl._api`` module (or a per-CUDA equivalent); ImportError says why not."""
+    errors = []
+    for name in _API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:  # includes a CUDA-variant mismatch inside the meta package
+            errors.append(f"{name}: {e}")
+    raise ImportError("NIXL is not usable (pip install nixl): " + "; ".join(errors))
+
+
+def nixl_available() -> tuple[bool, str]:
+    """``(True, "")`` when NIXL imports, else ``(False, reason)``."""
+    try:
+        import_nixl()
+    except ImportError as e:
+        return False, str(e)
+    return True, ""
+
+
+class NixlMetadata(msgspec.Struct, frozen=True):
+    agent: str
+    agent_md: bytes
+    """``nixl_agent.get_agent_metadata()``: connection info + registrations."""
+    base: int
+    nbytes: int
+    device_id: int
+    mem_type: str  # "DRAM" or "VRAM"
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_meta = msgspec.msgpack.Decoder(NixlMetadata).decode
+
+
+@dataclass(eq=False)
+class _Xfer:
+    peer: str
+    handle: Any | None  # nixl_xfer_handle, None once released or never created
+    state: TransferState
+    deadline: float
+    error: str | None = None
+
+
+class NixlBackend(TransferBackend):
+    """Args:
+    agent_name: NIXL agent name; peers must ``connect`` to it under this name.
+    backends: NIXL plugins to instantiate (UCX moves DRAM and VRAM).
+    timeout: seconds a write may stay in progress before it is FAILED (and
+        aborted); guards against a peer that died mid-transfer.
+    num_threads: UCX worker threads (0: NIXL's default).
+    """
+
+    name = "nixl"
+
+    def __init__(
+        self,
+        agent_name: str,
+        backends: Sequence[str] = ("UCX",),
+        timeout: float = DEFAULT_TIMEOUT_S,
+        num_threads: int = 0,
+    ) -> None:
+        super().__init__(agent_name)
+        api = import_nixl()
+        self.timeout = float(timeout)
+        self.last_error: str | None = None
+        config = api.nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        self._agent = api.nixl_agent(agent_name, config)
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise TransferError(
+                f"NIXL plugin(s) {missing} unavailable; have {self._agent.get_plugin_list()}"
+            )
+        self._reg_descs: Any | None = None
+        self._buffer: torch.Tensor | None = None
+        self._local: tuple[int, int, int, str] | None = None  # base, nbytes, dev, mem
+        self._peers: dict[str, tuple[bytes, NixlMetadata]] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._handles = itertools.count(1)
+        self._leaked: list[Any] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ API
+
+    def register(self, buffer: torch.Tensor) -> None:
+        self._check_open()
+        if not buffer.is_contiguous():
+            raise TransferError("the registered buffer must be contiguous")
+        if buffer.device.type not in ("cpu", "cuda"):
+            raise TransferError(f"NIXL backend cannot register {buffer.device} memory")
+        if self._reg_descs is not None:
+            self._agent.deregister_memory(self._reg_descs)
+            self._reg_descs = None
+        mem = "DRAM" if buffer.device.type == "cpu" else "VRAM"
+        dev = 0 if mem == "DRAM" else buffer.device.index or 0
+        base, nbytes = buffer.data_ptr(), buffer_nbytes(buffer)
+        try:
+            self._reg_descs = self._agent.register_memory([(base, nbytes, dev, "")], mem)
+        except Exception as e:
+            raise TransferError(f"NIXL could not register {nbytes} bytes of {mem}: {e}") from e
+        self._buffer = buffer
+        self._local = (base, nbytes, dev, mem)
+
+    def metadata(self) -> bytes:
+        if self._local is None:
+            raise TransferError("register() a buffer before publishing metadata")
+        base, nbytes, dev, mem = self._local
+        md = self._agent.get_agent_metadata()
+        return _encode(NixlMetadata(self.agent_name, bytes(md), base, nbytes, dev, mem))
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        self._check_open()
+        metadata = bytes(metadata)
+        known = self._peers.get(peer)
+        if known is not None and known[0] == metadata:
+            return
+        try:
+            meta = _decode_meta(metadata)
+        except msgspec.DecodeError as e:
+            raise TransferError(f"bad nixl metadata for peer {peer!r}: {e}") from None
+        if meta.agent != peer:
+            raise TransferError(f"metadata is for agent {meta.agent!r}, not {peer!r}")
+        if known is not None:  # peer restarted or re-registered: reload its metadata
+            self._forget(peer)
+        try:
+            name = self._agent.add_remote_agent(meta.agent_md)
+        except Exception as e:
+            raise TransferError(f"NIXL could not load metadata of {peer!r}: {e}") from e
+        if isinstance(name, bytes):
+            name = name.decode()
+        if name != peer:
+            self._agent.remove_remote_agent(name)
+            raise TransferError(f"NIXL metadata names agent {name!r}, not {peer!r}")
+        self._peers[peer] = (metadata, meta)
+
+    def write(self, peer: str, ranges: Sequence[ByteRange]) -> int:
+        self._check_open()
+        if self._local is None:
+            raise TransferError("register() a buffer before writing")
+        known = self._peers.get(peer)
+        if known is None:
+            raise TransferError(f"unknown peer {peer!r}: connect() it first")
+        meta = known[1]
+        ranges = [ByteRange(*map(int, r)) for r in ranges if r[2] != 0]
+        handle = next(self._handles)
+        xfer = _Xfer(peer, None, TransferState.PENDING, time.monotonic() + self.timeout)
+        self._xfers[handle] = xfer
+        if not ranges:
+            xfer.state = TransferState.DONE
+            return handle
+        base, nbytes, dev, mem = self._local
+        error = check_ranges(ranges, nbytes, meta.nbytes)
+        if error is not None:
+            self._fail(xfer, f"write to {peer!r} refused: {error}")
+            return handle
+        n = len(ranges)
+        r = np.asarray(ranges, dtype=np.uint64).reshape(n, 3)
+        local = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0] = r[:, 0] + np.uint64(base)
+        local[:, 1] = r[:, 2]
+        local[:, 2] = dev
+        remote = np.empty((n, 3), dtype=np.uint64)
+        remote[:, 0] = r[:, 1] + np.uint64(meta.base)
+        remote[:, 1] = r[:, 2]
+        remote[:, 2] = meta.device_id
+        try:
+            src = self._agent.get_xfer_descs(local, mem)
+            dst = self._agent.get_xfer_descs(remote, meta.mem_type)
+            xfer.handle = self._agent.initialize_xfer("WRITE", src, dst, peer)
+            status = self._agent.transfer(xfer.handle)
+        except Exception as e:
+            self._fail(xfer, f"NIXL write to {peer!r} failed to start: {e}")
+            return handle
+        if status == "DONE":
+            self._settle(xfer, TransferState.DONE)
+        elif status == "ERR":
+            self._fail(xfer, f"NIXL write to {peer!r} failed to post")
+        return handle
+
+    def poll(self, handle: int) -> TransferState:
+        xfer = self._xfers.get(handle)
+        if xfer is None:
+            raise TransferError(f"unknown transfer handle {handle}")
+        if xfer.state is TransferState.PENDING:
+            try:
+                status = self._agent.check_xfer_state(xfer.handle)
+            except Exception as e:
+                status, why = "ERR", str(e)
+            else:
+                why = "transfer error reported by NIXL"
+            if status == "DONE":
+                self._settle(xfer, TransferState.DONE)
+            elif status == "ERR":
+                self._fail(xfer, f"write to {xfer.peer!r} failed: {why}")
+            elif time.monotonic() > xfer.deadline:
+                self._fail(xfer, f"write to {xfer.peer!r} timed out after {self.timeout:g}s")
+        if xfer.state is TransferState.PENDING:
+            return xfer.state
+        del self._xfers[handle]
+        if xfer.state is TransferState.FAILED:
+            self.last_error = xfer.error
+        return xfer.state
+
+    def disconnect(self, peer: str) -> None:
+        if self._closed or peer not in self._peers:
+            return
+        self._forget(peer)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for xfer in self._xfers.values():
+            if xfer.state is TransferState.PENDING:
+                self._fail(xfer, "backend closed")
+        self._xfers.clear()
+        for peer in list(self._peers):
+            self._forget(peer)
+        if self._reg_descs is not None:
+            try:
+                self._agent.deregister_memory(self._reg_descs)
+            except Exception:
+                logger.exception("NIXL deregister_memory failed")
+            self._reg_descs = None
+        self._buffer = None
+        self._leaked.clear()
+        self._agent = None
+
+    # ------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("backend is closed")
+
+    def _forget(self, peer: str) -> None:
+        for xfer in self._xfers.values():
+            if xfer.peer == peer and xfer.state is TransferState.PENDING:
+                self._fail(xfer, f"peer {peer!r} was disconnected")
+        self._peers.pop(peer, None)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as e:
+            logger.warning("NIXL remove_remote_agent(%r) failed: %s", peer, e)
+
+    def _release(self, xfer: _Xfer) -> None:
+        if xfer.handle is None:
+            return
+        try:
+            xfer.handle.release()  # aborts it when still in flight
+        except Exception as e:
+            # NIXL could not abort it: keep the handle alive rather than free
+            # memory a backend thread may still touch.
+            logger.warning("NIXL could not release a transfer handle: %s", e)
+            self._leaked.append(xfer.handle)
+        xfer.handle = None
+
+    def _settle(self, xfer: _Xfer, state: TransferState) -> None:
+        xfer.state = state
+        self._release(xfer)
+
+    def _fail(self, xfer: _Xfer, error: str) -> None:
+        xfer.error = error
+        logger.warning("%s: %s", self.agent_name, error)
+        self._settle(xfer, TransferState.FAILED)

@@ -1,0 +1,289 @@
+"""Engine-process loop of a prefill worker.
+
+A ``Prefill`` request waits for its decode engine's ``Reserve`` (no KV is
+computed without a destination), then runs in chunks; after every step the
+newly computed pages are pushed into the decode engine's reserved pages. The
+first token goes to the requester at once; ``Done`` goes to the decode engine
+once every write of the room has landed, and only then do the pages return to
+the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.engine import Engine
+from engine.protocol.to_gateway import TokenDelta
+from engine.protocol.to_worker import Generate, Prefill
+from engine.request import EngineRequestError, Request
+from engine.sampling_params import InvalidSamplingParams
+from engine.worker.config import WorkerConfig
+from engine.worker.kv_setup import engine_compat, kv_backend
+from engine.worker.loop import WorkerLoop, error_delta, to_sampling_params
+from kvtransfer import to_decode, to_prefill
+from kvtransfer.backend import TransferState
+from kvtransfer.prefill_side import PrefillKVPlane
+from prefill_server.scheduler import PREFILL_DONE, PrefillScheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Room:
+    room: str
+    req: Request
+    client: bytes
+    decode: str
+    deadline: float
+    reserve: to_prefill.Reserve | None = None
+    sent_upto: int = 0
+    """Prompt tokens whose KV has been handed to the backend."""
+    handles: list[int] = field(default_factory=list)
+    first: tuple[int, float, str | None] | None = None
+    """(token, logprob, finish_reason) once prefill is done."""
+    failed: str | None = None
+    aborted: bool = False
+
+
+class PrefillLoop(WorkerLoop):
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.engine = Engine(config.engine_config(), PrefillScheduler)
+        self.scheduler = self.engine.scheduler
+        backend = kv_backend(self.engine, config.transfer_backend, "prefill", config.host)
+        self.kv = PrefillKVPlane(
+            config.host,
+            config.bootstrap_port,
+            backend,
+            engine_compat(self.engine, config.transfer_backend),
+            config.cluster_token or "",
+            self.engine.runner.pool.config.page_bytes,
+        )
+        self.rooms: dict[str, Room] = {}
+        self.by_rid: dict[str, Room] = {}
+        self.early: dict[str, tuple[str, to_prefill.Reserve, float]] = {}
+        """Reservations that arrived before their Prefill request."""
+        self.outbox: list[tuple[bytes, TokenDelta]] = []
+        self.stats_counters = {"transfers_ok": 0, "transfers_failed": 0, "bytes_sent": 0}
+
+    @property
+    def bootstrap_endpoint(self) -> str | None:
+        return self.kv.endpoint
+
+    # -- requests ------------------------------------------------------------
+
+    def submit(self, msg: Generate | Prefill, client: bytes) -> None:
+        error = None
+        if not isinstance(msg, Prefill):
+            error = "a prefill worker only serves Prefill requests"
+        elif msg.room in self.rooms:
+            error = f"room {msg.room!r} is already in use"
+        elif msg.decode_bootstrap in self.kv.rejected:
+            error = self.kv.rejected[msg.decode_bootstrap]
+        else:
+            try:
+                params = to_sampling_params(msg.sampling)
+                req = self.engine.build_request(msg.rid, msg.prompt_ids, params)
+            except (EngineRequestError, InvalidSamplingParams) as e:
+                error = str(e)
+        if error is not None:
+            self.outbox.append((client, error_delta(msg.rid, error)))
+            return
+        room = Room(
+            msg.room,
+            req,
+            client,
+            msg.decode_bootstrap,
+            time.monotonic() + self.config.transfer_timeout_s,
+        )
+        self.rooms[msg.room] = room
+        self.by_rid[msg.rid] = room
+        early = self.early.pop(msg.room, None)
+        if early is not None:
+            self._on_reserve(early[0], early[1])
+
+    def abort(self, rid: str) -> None:
+        room = self.by_rid.get(rid)
+        if room is not None:
+            self._fail(room, "aborted", aborted=True)
+
+    # -- KV plane --------------------------------------------------------------
+
+    def _on_reserve(self, decode: str, msg: to_prefill.Reserve) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None:
+            self.early[msg.room] = (decode, msg, time.monotonic() + self.config.transfer_timeout_s)
+            return
+        if room.reserve is not None or decode != room.decode:
+            log.warning("room %s: unexpected Reserve from %s", msg.room, decode)
+            return
+        n_prompt = len(room.req.prompt_ids)
+        ps = self.engine.runner.pool.page_size
+        prefix_pages = msg.decode_prefix_len // ps
+        if (
+            msg.prompt_len != n_prompt
+            or msg.decode_prefix_len % ps
+            or prefix_pages + len(msg.dst_pages) != -(-n_prompt // ps)
+        ):
+            self._fail(room, f"decode reservation does not fit the prompt ({n_prompt} tokens)")
+            return
+        room.reserve = msg
+        room.sent_upto = msg.decode_prefix_len
+        room.deadline = time.monotonic() + self.config.transfer_timeout_s
+        self.scheduler.add(room.req)
+
+    def _push(self, room: Room) -> None:
+        """Hand the backend every page touched since the last push."""
+        req, reserve = room.req, room.reserve
+        assert reserve is not None
+        ps = self.engine.runner.pool.page_size
+        upto = min(req.num_computed, len(req.prompt_ids))
+        if upto <= room.sent_upto:
+            return
+        first, last = room.sent_upto // ps, -(-upto // ps)
+        base = reserve.decode_prefix_len // ps
+        src = req.page_table[first:last]
+        dst = reserve.dst_pages[first - base : last - base]
+        room.handles.append(self.kv.write(room.decode, src, dst))
+        self.stats_counters["bytes_sent"] += len(src) * self.kv.page_bytes
+        # A partly filled last page is sent again with the next chunk.
+        room.sent_upto = (upto // ps) * ps
+
+    def _settle(self, room: Room) -> bool:
+        """Poll the room's writes; True when none is in flight."""
+        still: list[int] = []
+        for h in room.handles:
+            state = self.kv.poll_write(h)
+            if state == TransferState.PENDING:
+                still.append(h)
+            elif state == TransferState.FAILED and room.failed is None:
+                room.failed = f"KV transfer to {room.decode} failed"
+        room.handles = still
+        return not still
+
+    # -- the loop --------------------------------------------------------------
+
+    def step(self) -> list[tuple[bytes, TokenDelta]]:
+        for decode, msg in self.kv.poll():
+            if isinstance(msg, to_prefill.Reserve):
+                self._on_reserve(decode, msg)
+            else:
+                room = self.rooms.get(msg.room)
+                if room is not None and room.decode == decode:
+                    self._fail(room, f"decode worker aborted the room: {msg.reason}", aborted=True)
+                else:
+                    self.kv.send(decode, to_decode.AbortAck(msg.room))
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            fwd = self.engine.runner.forward(batch.forward, batch.sampling)
+            for r in self.scheduler.process(batch, fwd):
+                room = self.by_rid[r.rid]
+                room.first = (r.token_id, r.logprob, r.finish_reason)
+                # The first token reaches the requester before the transfer ends.
+                delta = TokenDelta(
+                    r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens
+                )
+                self.outbox.append((room.client, delta))
+            for req in batch.requests:
+                room = self.by_rid[req.rid]
+                if room.failed is None:
+                    self._push(room)
+        self._finish_rooms()
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _finish_rooms(self) -> None:
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            if room.reserve is None and room.failed is None and now > room.deadline:
+                self._fail(
+                    room,
+                    f"no KV reservation from decode worker {room.decode} within "
+                    f"{self.config.transfer_timeout_s:g}s",
+                )
+                continue
+            if room.first is None and room.failed is None:
+                continue
+            if not self._settle(room):
+                if now > room.deadline + self.config.transfer_timeout_s and room.failed is None:
+                    room.failed = "KV transfer timed out"
+                continue
+            if room.failed is None:
+                tok, lp, reason = room.first
+                self.kv.send(
+                    room.decode,
+                    to_decode.Done(
+                        room.room,
+                        tok,
+                        lp,
+                        max(room.req.num_cached_tokens, 0),
+                        None if reason == PREFILL_DONE else reason,
+                    ),
+                )
+                self.stats_counters["transfers_ok"] += 1
+            else:
+                self.stats_counters["transfers_failed"] += 1
+                if room.aborted:
+                    self.kv.send(room.decode, to_decode.AbortAck(room.room))
+                else:
+                    self.kv.send(room.decode, to_decode.RoomFailed(room.room, room.failed))
+            # A requester that already has its first token learns of a failure
+            # from the decode side, which streams the rest.
+            self._drop(room)
+        for r, (decode, _msg, deadline) in list(self.early.items()):
+            if now > deadline:
+                del self.early[r]
+                self.kv.send(
+                    decode, to_decode.RoomFailed(r, "prefill worker never received this room")
+                )
+
+    def _fail(self, room: Room, reason: str, aborted: bool = False) -> None:
+        """Stop the room; its pages are released once no write is in flight."""
+        if room.failed is not None:
+            return
+        room.failed = reason
+        room.aborted = aborted
+        req = room.req
+        if req in self.scheduler.waiting:
+            self.scheduler.waiting.remove(req)
+        elif req in self.scheduler.running:
+            self.scheduler.running.remove(req)
+        if room.first is None:
+            room.first = (-1, 0.0, "abort" if aborted else "error")
+            kind = "abort" if aborted else "error"
+            delta = TokenDelta(req.rid, [], [], kind, 0, None if aborted else reason)
+            self.outbox.append((room.client, delta))
+
+    def _drop(self, room: Room) -> None:
+        if room.req.page_table:
+            self.scheduler.release(room.req)
+        self.rooms.pop(room.room, None)
+        self.by_rid.pop(room.req.rid, None)
+        self.engine.forget(room.req.rid)
+
+    def has_work(self) -> bool:
+        return bool(self.rooms or self.early or self.scheduler.has_work())
+
+    def stats(self) -> dict:
+        sched = self.scheduler
+        alloc = self.engine.runner.pool.allocator
+        cache = sched.cache
+        return {
+            "role": "prefill",
+            "free_pages": alloc.num_free,
+            "total_pages": alloc.capacity,
+            "cached_pages": cache.cached_pages if cache else 0,
+            "available_pages": sched.num_free_pages,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "rooms": len(self.rooms),
+            "prefix_cache_hit_tokens": cache.stats().hit_tokens if cache else 0,
+            "prefix_cache_query_tokens": cache.stats().query_tokens if cache else 0,
+            **self.stats_counters,
+        }
+
+    def close(self) -> None:
+        self.kv.close()
+
