@@ -77,6 +77,7 @@ class DecodeKVPlane:
             compat=self.compat,
             nonce=nonce,
             mac=sign(self.cluster_token, self.endpoint, compat_hash(self.compat), nonce),
+            agent=self.backend.agent_name,
             metadata=self.backend.metadata(),
         )
         sock.send(to_prefill.encoder.encode(hs), zmq.NOBLOCK)

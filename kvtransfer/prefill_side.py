@@ -43,6 +43,8 @@ class PrefillKVPlane:
         self._identity: dict[str, bytes] = {}
         """Handshaken decode engines: name -> ZMQ identity."""
         self._names: dict[bytes, str] = {}
+        self._agents: dict[str, str] = {}
+        """Decode engine name -> its transfer-backend agent name."""
         self.rejected: dict[str, str] = {}
         """Decode engines whose handshake failed, with the reason."""
 
@@ -79,7 +81,7 @@ class PrefillKVPlane:
             reason = describe_mismatch(self.compat, msg.compat)
         if reason is None:
             try:
-                self.backend.connect(msg.decode_name, msg.metadata)
+                self.backend.connect(msg.agent, msg.metadata)
             except Exception as e:  # noqa: BLE001 (any backend failure is reported to the peer)
                 reason = f"transfer backend could not connect: {e}"
         if reason is not None:
@@ -90,6 +92,7 @@ class PrefillKVPlane:
         self.rejected.pop(msg.decode_name, None)
         self._identity[msg.decode_name] = ident
         self._names[ident] = msg.decode_name
+        self._agents[msg.decode_name] = msg.agent
         log.info("KV plane connected to decode engine %s", msg.decode_name)
         self._send_ident(ident, to_decode.HandshakeOk(self.endpoint))
 
@@ -98,7 +101,7 @@ class PrefillKVPlane:
 
     def write(self, decode_name: str, src_pages: Sequence[int], dst_pages: Sequence[int]) -> int:
         ranges = page_ranges(src_pages, dst_pages, self.page_bytes)
-        return self.backend.write(decode_name, ranges)
+        return self.backend.write(self._agents[decode_name], ranges)
 
     def poll_write(self, handle: int) -> TransferState:
         return self.backend.poll(handle)

@@ -7,10 +7,13 @@ ROUTER on the receiver side; both served by one background I/O thread):
   of a transfer. The receiver checks the token (its incarnation, from its
   metadata) and every range against its buffer size *before* writing anything;
   a rejected transfer gets an error reply and none of its bytes are written.
-* ``Data(writer, xfer, token, dst_offsets)`` + one payload frame per offset:
-  a chunk of at most ``chunk_bytes`` bytes. Large ranges are split over several
-  chunks and small ones (scattered pages) share one. The receiver bounds-checks
-  every piece, copies them into its buffer and replies ``Reply(xfer, nbytes)``.
+* ``Data(writer, xfer, token, pieces)`` + payload frames: a chunk of at most
+  ``chunk_bytes`` bytes made of ``(dst_offset, nbytes)`` pieces whose bytes
+  follow, in order, in the payload frames (a piece never straddles two frames;
+  big pieces travel zero-copy in a frame of their own, small ones are gathered
+  into one). Large ranges are split over several chunks and small ones
+  (scattered pages) share one. The receiver checks every piece, copies them
+  into its buffer and replies ``Reply(xfer, nbytes)``.
 * A write is DONE once every chunk has been acknowledged, i.e. every byte is in
   the peer buffer. At most ``window`` chunks per peer are unacknowledged, which
   bounds memory on both sides. A peer that makes no progress for ``timeout``
@@ -50,7 +53,8 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_WINDOW = 8
 DEFAULT_TIMEOUT_S = 10.0
 _MAX_REMEMBERED_XFERS = 4096
-_MAX_PIECES = 1024  # payload frames in one message
+_MAX_PIECES = 4096  # pieces in one message
+_ZERO_COPY_MIN = 1 << 20  # smaller pieces are gathered into one frame (fewer frames)
 
 
 class TcpMetadata(msgspec.Struct, frozen=True):
@@ -73,7 +77,7 @@ class _Data(msgspec.Struct, tag="d", array_like=True):
     writer: str
     xfer: int
     token: str
-    offsets: list[int]
+    pieces: list[tuple[int, int]]  # (dst_offset, nbytes)
 
 
 class _Reply(msgspec.Struct, array_like=True):
@@ -99,17 +103,41 @@ class _ByteBuffer:
         self.u8 = buffer.reshape(-1).view(torch.uint8)
         self.np = self.u8.numpy() if buffer.device.type == "cpu" else None
 
-    def read(self, offset: int, nbytes: int) -> Any:
-        if self.np is not None:
-            return memoryview(self.np[offset : offset + nbytes])  # zero-copy
-        return self.u8[offset : offset + nbytes].cpu().numpy()
+    def frames(self, pieces: list[tuple[int, int, int]]) -> list[Any]:
+        """Payload frames carrying the ``(src, dst, nbytes)`` pieces' bytes in order."""
+        if self.np is None:  # device memory: gather on the device, one copy to host
+            parts = [self.u8[s : s + n] for s, _, n in pieces]
+            data = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return [data.cpu().numpy()]
+        out: list[Any] = []
+        small: list[memoryview] = []
+        for s, _, n in pieces:
+            view = memoryview(self.np[s : s + n])
+            if n >= _ZERO_COPY_MIN:
+                if small:
+                    out.append(b"".join(small))
+                    small = []
+                out.append(view)  # zero-copy: zmq reads the registered buffer
+            else:
+                small.append(view)  # zmq would copy these anyway: gather them
+        if small:
+            out.append(b"".join(small))
+        return out
 
-    def write(self, offset: int, data: memoryview) -> None:
-        src = np.frombuffer(data, dtype=np.uint8)
+    def scatter(self, places: list[tuple[int, int, int, int]], frames: list[memoryview]) -> None:
+        """Write ``(dst, nbytes, frame, frame_offset)`` pieces (already checked)."""
         if self.np is not None:
-            self.np[offset : offset + len(src)] = src
-        else:
-            self.u8[offset : offset + len(src)].copy_(torch.from_numpy(src.copy()))
+            arrays = [np.frombuffer(f, dtype=np.uint8) for f in frames]
+            for dst, n, fi, pos in places:
+                self.np[dst : dst + n] = arrays[fi][pos : pos + n]
+            return
+        staged = []
+        for f in frames:  # one host-to-device copy per frame
+            host = torch.empty(len(f), dtype=torch.uint8)
+            host.numpy()[:] = np.frombuffer(f, dtype=np.uint8)
+            staged.append(host.to(self.u8.device))
+        for dst, n, fi, pos in places:
+            self.u8[dst : dst + n].copy_(staged[fi][pos : pos + n])
 
 
 @dataclass(eq=False)
@@ -249,6 +277,9 @@ class TcpBackend(TransferBackend):
         ranges = [ByteRange(*map(int, r)) for r in ranges]
         ranges = [r for r in ranges if r.nbytes != 0]
         handle = next(self._handles)
+        error = check_ranges(ranges, self._local.nbytes, known[1].nbytes)
+        if error is not None:
+            ranges = []
         xfer = _Xfer(
             handle,
             peer,
@@ -257,7 +288,6 @@ class TcpBackend(TransferBackend):
             self._split(ranges),
             sum(r.nbytes for r in ranges),
         )
-        error = check_ranges(ranges, self._local.nbytes, known[1].nbytes)
         with self._lock:
             self._xfers[handle] = xfer
         if error is not None:
@@ -273,6 +303,9 @@ class TcpBackend(TransferBackend):
             xfer = self._xfers.get(handle)
             if xfer is None:
                 raise TransferError(f"unknown transfer handle {handle}")
+            if xfer.state is TransferState.PENDING and not self._thread.is_alive():
+                xfer.state = TransferState.FAILED  # it crashed (logged): nothing moves
+                xfer.error = "the tcp transfer I/O thread is not running"
             state = xfer.state
             if state is not TransferState.PENDING:
                 del self._xfers[handle]
@@ -497,20 +530,25 @@ class _IoLoop:
             if remaining is None:
                 return _Reply(msg.xfer, 0, "data for a transfer the receiver does not know")
             return None  # refused already; the writer was told
-        if len(payloads) != len(msg.offsets):
-            self.rx_xfers[key] = -1
-            return _Reply(msg.xfer, 0, "malformed data message")
-        n = 0
-        for off, data in zip(msg.offsets, payloads):
-            if off < 0 or off + len(data) > size:
+        # Check every piece (bounds, framing, announced size) before writing any.
+        places = []
+        n = fi = pos = 0
+        for off, length in msg.pieces:
+            if off < 0 or length < 0 or off + length > size:
                 self.rx_xfers[key] = -1
-                return _Reply(msg.xfer, 0, f"piece [{off}, {off + len(data)}) out of bounds")
-            n += len(data)
-        if n > remaining:
+                return _Reply(msg.xfer, 0, f"piece [{off}, {off + length}) out of bounds")
+            while fi < len(payloads) and pos == len(payloads[fi]) and length:
+                fi, pos = fi + 1, 0
+            if length and (fi == len(payloads) or pos + length > len(payloads[fi])):
+                self.rx_xfers[key] = -1
+                return _Reply(msg.xfer, 0, "malformed data message (pieces do not match frames)")
+            places.append((off, length, fi, pos))
+            pos += length
+            n += length
+        if n != sum(len(p) for p in payloads) or n > remaining:
             self.rx_xfers[key] = -1
-            return _Reply(msg.xfer, 0, "more data than the transfer announced")
-        for off, data in zip(msg.offsets, payloads):
-            self.rx.write(off, data)
+            return _Reply(msg.xfer, 0, "data does not match the announced transfer")
+        self.rx.scatter(places, payloads)
         remaining -= n
         if remaining == 0:
             del self.rx_xfers[key]
@@ -569,8 +607,8 @@ class _IoLoop:
                     xfer.begun = True
                 while inflight < window and xfer.next_chunk < len(xfer.chunks):
                     pieces = xfer.chunks[xfer.next_chunk]
-                    header = _encode(_Data(writer, xfer.handle, token, [p[1] for p in pieces]))
-                    frames = [header, *(xfer.src.read(p[0], p[2]) for p in pieces)]
+                    header = _Data(writer, xfer.handle, token, [(p[1], p[2]) for p in pieces])
+                    frames = [_encode(header), *xfer.src.frames(pieces)]
                     sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                     xfer.next_chunk += 1
                     xfer.inflight += 1

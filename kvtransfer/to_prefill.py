@@ -12,6 +12,8 @@ class Handshake(msgspec.Struct, tag="handshake", frozen=True):
     nonce: str
     mac: str
     """HMAC of (decode_name, compat hash, nonce) under the cluster token."""
+    agent: str
+    """Transfer-backend agent name of the decode engine."""
     metadata: bytes
     """Transfer-backend metadata of the decode engine's KV buffer."""
 

@@ -84,16 +84,33 @@ def assert_pools_idle(loop) -> None:
     assert s["available_pages"] == s["total_pages"], s
 
 
+def _nixl_available() -> bool:
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+BACKENDS = [
+    "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("decode_cache", [True, False])
-def test_pd_matches_colocated(model_dir: str, decode_cache: bool) -> None:
+def test_pd_matches_colocated(model_dir: str, decode_cache: bool, backend: str) -> None:
     prompts = prompts_with_shared_prefixes(16)
     spec = SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(model_dir, page_size=4, num_pages=256)
     from engine.sampling_params import SamplingParams
 
     expected = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    p = PrefillLoop(worker_config(model_dir, "prefill"))
-    d = DecodeLoop(worker_config(model_dir, "decode", enable_prefix_cache=decode_cache))
+    p = PrefillLoop(worker_config(model_dir, "prefill", transfer_backend=backend))
+    d = DecodeLoop(
+        worker_config(model_dir, "decode", enable_prefix_cache=decode_cache, transfer_backend=backend)
+    )
     try:
         h = Harness(p, d)
         for i, prompt in enumerate(prompts):

@@ -4,6 +4,7 @@ over the engine's KV pool and the compatibility record of the handshake."""
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 from engine.engine import Engine
@@ -40,8 +41,9 @@ def _model_id(model: str) -> str:
     return os.path.basename(model)
 
 
-def kv_backend(engine: Engine, backend_name: str, agent_name: str, host: str) -> TransferBackend:
+def kv_backend(engine: Engine, backend_name: str, role: str, host: str) -> TransferBackend:
     kwargs = {"host": host} if backend_name == "tcp" else {}
-    backend = make_backend(backend_name, agent_name, **kwargs)
+    # Agent names must be unique across the cluster (NIXL keys peers by them).
+    backend = make_backend(backend_name, f"{role}-{uuid.uuid4().hex[:12]}", **kwargs)
     backend.register(engine.runner.pool.kv)
     return backend

@@ -1,0 +1,408 @@
+r"""KV transfer benchmark: move the KV cache of N tokens between two processes.
+
+    python benchmarks/bench_kvtransfer.py --model llama-3.1-8b --tokens 8192 \
+        --page-size 16 --backend all --layout all --src-device cuda:0 --dst-device cuda:1
+
+Two spawned processes each own a page-major KV pool (``engine.kvcache.pool``)
+on their device and register it with the backend; the source process writes
+the pages of N tokens into the destination's pool, timing ``write`` until
+``poll`` says DONE (bytes landed in the peer). ``contiguous`` maps src pages
+1..n to dst pages 1..n (one descriptor); ``scattered`` maps n random pages to n
+random pages of a pool twice that size (about one descriptor per page).
+Prints a table and writes a JSON record under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import DTYPES, ModelConfig  # noqa: E402
+from engine.kvcache.pool import KVPool, KVPoolConfig  # noqa: E402
+from engine.presets import PRESETS  # noqa: E402
+from kvtransfer import TRANSFER_BACKENDS, make_backend  # noqa: E402
+from kvtransfer.backend import TransferState  # noqa: E402
+from kvtransfer.layout import page_ranges  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CALL_TIMEOUT_S = 600.0
+
+
+# ------------------------------------------------------------ worker process
+
+
+def _worker_main(conn: Any) -> None:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    state: dict[str, Any] = {}
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "exit":
+                if "backend" in state:
+                    state["backend"].close()
+                conn.send(("ok", None))
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+            conn.send(("ok", _serve(state, cmd, *args)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+
+
+def _sync(kv: torch.Tensor) -> None:
+    if kv.is_cuda:
+        torch.cuda.synchronize(kv.device)
+
+
+def _serve(state: dict[str, Any], cmd: str, *args: Any) -> Any:
+    if cmd == "setup":
+        backend, name, kwargs, cfg, seed = args
+        if cfg.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(cfg.device))
+        pool = KVPool(cfg)
+        gen = torch.Generator(device=pool.kv.device).manual_seed(seed)
+        u8 = pool.kv.view(-1).view(torch.uint8)
+        u8.copy_(
+            torch.randint(0, 256, u8.shape, dtype=torch.uint8, device=u8.device, generator=gen)
+        )
+        _sync(pool.kv)
+        state["kv"] = pool.kv
+        state["backend"] = make_backend(backend, name, **kwargs)
+        state["backend"].register(pool.kv)
+        return state["backend"].metadata()
+    be = state["backend"]
+    if cmd == "connect":
+        be.connect(*args)
+        return None
+    if cmd == "run":
+        peer, ranges, warmup, iters, poll_s = args
+        times = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            handle = be.write(peer, ranges)
+            while (st := be.poll(handle)) is TransferState.PENDING:
+                if poll_s:
+                    time.sleep(poll_s)
+            dt = time.perf_counter() - t0
+            if st is not TransferState.DONE:
+                raise RuntimeError(f"write ended {st.value}: {getattr(be, 'last_error', '')}")
+            if i >= warmup:
+                times.append(dt)
+        return times
+    if cmd == "digest":  # hash of the given pages, in order
+        pages = args[0]
+        kv = state["kv"]
+        h = hashlib.blake2b(digest_size=16)
+        for i in range(0, len(pages), 256):
+            idx = torch.tensor(pages[i : i + 256], device=kv.device)
+            chunk = kv.index_select(0, idx).contiguous().view(-1).view(torch.uint8).cpu()
+            h.update(chunk.numpy().tobytes())
+        return h.hexdigest()
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+class Worker:
+    def __init__(self, ctx: Any, name: str) -> None:
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        self.conn.send((cmd, args))
+        if not self.conn.poll(CALL_TIMEOUT_S):
+            raise TimeoutError(f"worker {self.name} did not answer {cmd!r}")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"worker {self.name} failed {cmd!r}:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("exit", ()))
+                self.conn.poll(10)
+        except (OSError, EOFError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+# ------------------------------------------------------------------ driver
+
+
+def page_map(layout: str, n: int, seed: int) -> tuple[list[int], list[int]]:
+    if layout == "contiguous":
+        return list(range(1, n + 1)), list(range(1, n + 1))
+    rng = random.Random(seed)
+    return rng.sample(range(1, 2 * n + 1), n), rng.sample(range(1, 2 * n + 1), n)
+
+
+def shapes(args: argparse.Namespace) -> tuple[str, int, int, int, torch.dtype]:
+    label, layers, kv_heads, head_dim, dtype = "custom", None, None, None, None
+    if args.model:
+        mc = ModelConfig.from_dict(PRESETS[args.model])
+        label, layers, kv_heads, head_dim, dtype = (
+            args.model,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            mc.dtype,
+        )
+    layers = args.layers or layers
+    kv_heads = args.kv_heads or kv_heads
+    head_dim = args.head_dim or head_dim
+    if args.dtype:
+        dtype = DTYPES[args.dtype]
+    if None in (layers, kv_heads, head_dim):
+        raise SystemExit("give --model, or all of --layers --kv-heads --head-dim")
+    return label, layers, kv_heads, head_dim, dtype or torch.bfloat16
+
+
+def bench_backend(
+    backend: str, args: argparse.Namespace, shape: tuple, layouts: list[str]
+) -> list[dict]:
+    _, layers, kv_heads, head_dim, dtype = shape
+    n = -(-args.tokens // args.page_size)
+    num_pages = 2 * n + 1 if "scattered" in layouts else n + 1
+    kwargs: dict[str, Any] = {"timeout": args.timeout}
+    if backend == "tcp" and args.chunk_mib:
+        kwargs["chunk_bytes"] = int(args.chunk_mib * (1 << 20))
+
+    def cfg(device: str) -> KVPoolConfig:
+        return KVPoolConfig(num_pages, args.page_size, layers, kv_heads, head_dim, dtype, device)
+
+    ctx = mp.get_context("spawn")
+    src, dst = Worker(ctx, f"{backend}-src"), Worker(ctx, f"{backend}-dst")
+    rows = []
+    try:
+        src.call("setup", backend, "bench-src", kwargs, cfg(args.src_device), 1)
+        dst_md = dst.call("setup", backend, "bench-dst", kwargs, cfg(args.dst_device), 2)
+        src.call("connect", "bench-dst", dst_md)
+        page_bytes = cfg("cpu").page_bytes
+        for layout in layouts:
+            src_pages, dst_pages = page_map(layout, n, args.seed)
+            ranges = page_ranges(src_pages, dst_pages, page_bytes)
+            nbytes = n * page_bytes
+            times = src.call(
+                "run", "bench-dst", ranges, args.warmup, args.iters, args.poll_interval_us * 1e-6
+            )
+            verified = None
+            if not args.no_verify:
+                verified = src.call("digest", src_pages) == dst.call("digest", dst_pages)
+            med = statistics.median(times)
+            rows.append(
+                {
+                    "backend": backend,
+                    "layout": layout,
+                    "src_device": args.src_device,
+                    "dst_device": args.dst_device,
+                    "tokens": args.tokens,
+                    "page_size": args.page_size,
+                    "pages": n,
+                    "page_bytes": page_bytes,
+                    "descriptors": len(ranges),
+                    "bytes": nbytes,
+                    "iters": len(times),
+                    "median_ms": med * 1e3,
+                    "min_ms": min(times) * 1e3,
+                    "mean_ms": statistics.fmean(times) * 1e3,
+                    "gbps": nbytes / med / 1e9,
+                    "gbps_best": nbytes / min(times) / 1e9,
+                    "verified": verified,
+                }
+            )
+            if verified is False:
+                print(f"!! {backend}/{layout}: destination pages differ from source", flush=True)
+    finally:
+        src.stop()
+        dst.stop()
+    return rows
+
+
+def machine_info(devices: list[str]) -> dict:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+    }
+    gpus = sorted({d for d in devices if d.startswith("cuda")})
+    if gpus:
+        info["gpus"] = {d: torch.cuda.get_device_name(torch.device(d)) for d in gpus}
+    try:
+        from importlib.metadata import version
+
+        info["nixl"] = version("nixl")
+    except Exception:
+        pass
+    return info
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (
+        f"{'backend':<7} {'layout':<10} {'src->dst':<16} {'descs':>7} {'MiB':>9} "
+        f"{'median ms':>10} {'GB/s':>8} {'best GB/s':>9} {'ok':>4}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ok = {True: "yes", False: "NO", None: "-"}[r["verified"]]
+        print(
+            f"{r['backend']:<7} {r['layout']:<10} "
+            f"{r['src_device'] + '->' + r['dst_device']:<16} {r['descriptors']:>7} "
+            f"{r['bytes'] / 2**20:>9.1f} {r['median_ms']:>10.3f} {r['gbps']:>8.2f} "
+            f"{r['gbps_best']:>9.2f} {ok:>4}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--tokens", type=int, default=4096, help="tokens whose KV is moved (default 4096)"
+    )
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=None,
+        help="preset whose layers/kv heads/head dim/dtype give the KV shape "
+        "(default llama-3.1-8b unless --layers/--kv-heads/--head-dim are all given)",
+    )
+    p.add_argument("--layers", type=int, help="number of layers (overrides --model)")
+    p.add_argument("--kv-heads", type=int, help="KV heads per layer (overrides --model)")
+    p.add_argument("--head-dim", type=int, help="head dimension (overrides --model)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="KV dtype (default: the model's, bfloat16 for explicit shapes)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=[*sorted(TRANSFER_BACKENDS), "all"],
+        default="all",
+        help="transfer backend to measure; 'all' runs each (default all)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=["contiguous", "scattered", "all"],
+        default="all",
+        help="page map: 'contiguous' (src 1..n -> dst 1..n, one descriptor), "
+        "'scattered' (random pages of a 2n-page pool, ~one descriptor per page), "
+        "or 'all' (default)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="device of both pools unless --src-device/--dst-device say otherwise "
+        "(cpu, cuda:0, cuda:1, ...; default cpu)",
+    )
+    p.add_argument("--src-device", help="device of the writer's pool (default --device)")
+    p.add_argument("--dst-device", help="device of the receiver's pool (default --device)")
+    p.add_argument("--iters", type=int, default=10, help="timed writes per case (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed writes first (default 2)")
+    p.add_argument(
+        "--poll-interval-us",
+        type=float,
+        default=0.0,
+        help="sleep between poll() calls of the writer, in microseconds "
+        "(default 0: spin, as a busy scheduler loop would)",
+    )
+    p.add_argument("--timeout", type=float, default=60.0, help="backend timeout, s (default 60)")
+    p.add_argument(
+        "--chunk-mib", type=float, default=None, help="tcp frame size in MiB (default: backend's)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the scattered page map")
+    p.add_argument(
+        "--no-verify", action="store_true", help="skip the byte check of the moved pages"
+    )
+    p.add_argument(
+        "--output-file",
+        type=Path,
+        help="JSON output path (default benchmarks/results/kvtransfer-<shape>-<commit>-<time>.json)",
+    )
+    args = p.parse_args(argv)
+    if args.model is None and not (args.layers and args.kv_heads and args.head_dim):
+        args.model = "llama-3.1-8b"
+    args.src_device = args.src_device or args.device
+    args.dst_device = args.dst_device or args.device
+    if args.tokens < 1 or args.page_size < 1 or args.iters < 1:
+        p.error("--tokens, --page-size and --iters must be >= 1")
+
+    shape = shapes(args)
+    backends = sorted(TRANSFER_BACKENDS) if args.backend == "all" else [args.backend]
+    layouts = ["contiguous", "scattered"] if args.layout == "all" else [args.layout]
+    label, layers, kv_heads, head_dim, dtype = shape
+    print(
+        f"KV of {args.tokens} tokens, {label}: {layers} layers x {kv_heads} kv heads x "
+        f"{head_dim} head dim, {str(dtype).removeprefix('torch.')}, page size {args.page_size}"
+    )
+    rows: list[dict] = []
+    for backend in backends:
+        try:
+            rows += bench_backend(backend, args, shape, layouts)
+        except Exception as e:  # e.g. nixl missing: report and go on with the others
+            if args.backend != "all":
+                raise
+            print(f"!! {backend} skipped: {str(e).strip().splitlines()[-1]}", flush=True)
+    print_table(rows)
+
+    commit = git_commit()
+    now = datetime.now(timezone.utc)
+    record = {
+        "benchmark": "kvtransfer",
+        "date": now.isoformat(timespec="seconds"),
+        "machine": machine_info([args.src_device, args.dst_device]),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "git_commit": commit,
+        "shape": {
+            "model": label,
+            "layers": layers,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+        "results": rows,
+    }
+    out = args.output_file or RESULTS_DIR / (
+        f"kvtransfer-{label}-{commit}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
