@@ -239,5 +239,7 @@ class EngineConfig:
             num_pages = max(2, int(self.kv_cache_memory_gb * (1 << 30)) // per_page + 1)
         backend = self.attention_backend
         if backend == "auto":
-            backend = "flashinfer" if self.device.startswith("cuda") else "torch_native"
+            # The reference backend serves every device until a kernel backend
+            # is registered in engine.attention.
+            backend = "torch_native"
         return replace(self, context_length=ctx, num_pages=num_pages, attention_backend=backend)
