@@ -82,7 +82,9 @@ class DecodeLoop(WorkerLoop):
             )
             return
         if msg.room is not None and msg.room in self.rooms:
-            self.outbox.append((client, error_delta(msg.rid, f"room {msg.room!r} is already in use")))
+            self.outbox.append(
+                (client, error_delta(msg.rid, f"room {msg.room!r} is already in use"))
+            )
             return
         try:
             req = self.engine.build_request(
@@ -270,4 +272,3 @@ class DecodeLoop(WorkerLoop):
 
     def close(self) -> None:
         self.kv.close()
-

@@ -286,4 +286,3 @@ class PrefillLoop(WorkerLoop):
 
     def close(self) -> None:
         self.kv.close()
-

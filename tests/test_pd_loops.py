@@ -47,7 +47,9 @@ def worker_config(model: str, role: str, **kw) -> WorkerConfig:
 def prompts_with_shared_prefixes(n: int, seed: int = 0) -> list[list[int]]:
     g = random.Random(seed)
     prefixes = [[g.randrange(3, 512) for _ in range(g.randrange(8, 40))] for _ in range(3)]
-    return [prefixes[i % 3] + [g.randrange(3, 512) for _ in range(g.randrange(1, 30))] for i in range(n)]
+    return [
+        prefixes[i % 3] + [g.randrange(3, 512) for _ in range(g.randrange(1, 30))] for i in range(n)
+    ]
 
 
 class Harness:
@@ -57,7 +59,9 @@ class Harness:
         self.finish: dict[str, TokenDelta] = {}
         self.p_final: dict[str, TokenDelta] = {}
 
-    def submit(self, rid: str, prompt: list[int], spec: SamplingSpec, room: str | None = None) -> None:
+    def submit(
+        self, rid: str, prompt: list[int], spec: SamplingSpec, room: str | None = None
+    ) -> None:
         room = room or f"room-{rid}"
         self.tokens[rid] = []
         self.d.submit(Generate(rid, prompt, spec, room, self.p.bootstrap_endpoint), GW)
@@ -94,7 +98,9 @@ def _nixl_available() -> bool:
 
 BACKENDS = [
     "tcp",
-    pytest.param("nixl", marks=pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")),
+    pytest.param(
+        "nixl", marks=pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")
+    ),
 ]
 
 
@@ -106,10 +112,14 @@ def test_pd_matches_colocated(model_dir: str, decode_cache: bool, backend: str) 
     llm = LLM(model_dir, page_size=4, num_pages=256)
     from engine.sampling_params import SamplingParams
 
-    expected = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    expected = llm.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     p = PrefillLoop(worker_config(model_dir, "prefill", transfer_backend=backend))
     d = DecodeLoop(
-        worker_config(model_dir, "decode", enable_prefix_cache=decode_cache, transfer_backend=backend)
+        worker_config(
+            model_dir, "decode", enable_prefix_cache=decode_cache, transfer_backend=backend
+        )
     )
     try:
         h = Harness(p, d)

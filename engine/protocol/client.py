@@ -1,0 +1,242 @@
+"""Asyncio client of a worker's request plane (the gateway's side). Torch-free.
+
+One DEALER socket carries any number of concurrent requests: a background
+task reads ``Tokens`` frames and hands each ``TokenDelta`` to the queue of its
+request id; a background sender writes outgoing messages in order.
+
+Failure contract of ``generate``:
+
+- request-level failures (bad prompt, invalid sampling, duplicate id in the
+  worker, worker shutting down) arrive as a final delta with
+  ``finish_reason == "error"`` and ``error`` set;
+- ``WorkerTimeout`` is raised when no delta for the request arrives within
+  ``timeout_s`` (the request is aborted on the worker);
+- ``WorkerDisconnected`` is raised when the connection to the worker drops
+  while the request is in flight (its deltas can no longer reach us);
+- ``WorkerClientClosed`` is raised when the client is closed under it.
+
+Leaving the iterator early (``break``, ``aclose()``, cancellation, the
+timeout above, closing the client) sends ``Abort(rid)`` to the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from engine.protocol import to_gateway, to_worker
+from engine.protocol.to_gateway import TokenDelta
+from engine.protocol.to_worker import Abort, Generate, Prefill
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class WorkerError(RuntimeError):
+    """The request could not be completed by this worker (retry elsewhere)."""
+
+
+class WorkerTimeout(WorkerError, TimeoutError):
+    """No delta arrived for the request within the client's ``timeout_s``."""
+
+
+class WorkerDisconnected(WorkerError, ConnectionError):
+    """The connection to the worker dropped while the request was in flight."""
+
+
+class WorkerClientClosed(WorkerError):
+    """The client was closed while the request was in flight."""
+
+
+_Item = TokenDelta | WorkerError
+
+
+class WorkerClient:
+    def __init__(
+        self,
+        request_endpoint: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        self.endpoint = request_endpoint
+        self.timeout_s = timeout_s
+        self._ctx = context
+        self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._sock is not None:
+            return
+        if self._closed:
+            raise WorkerClientClosed("client is closed")
+        ctx = self._ctx or zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._tasks = [
+            asyncio.create_task(self._receive(), name=f"worker-recv {self.endpoint}"),
+            asyncio.create_task(self._send_loop(), name=f"worker-send {self.endpoint}"),
+            asyncio.create_task(self._watch(), name=f"worker-watch {self.endpoint}"),
+        ]
+
+    async def close(self) -> None:
+        """Abort every in-flight request on the worker, then close the socket.
+        In-flight iterators raise ``WorkerClientClosed``."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in list(self._queues):
+            self._post(Abort(rid))
+        if self._sock is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._flush(), 1.0)
+        self._fail_all(WorkerClientClosed("client closed"))
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+            # The aborts are written; give them a moment to reach the wire.
+            self._sock.close(linger=500)
+            self._sock = None
+
+    async def __aenter__(self) -> WorkerClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    # -- requests --------------------------------------------------------------
+
+    async def generate(self, msg: Generate | Prefill) -> AsyncIterator[TokenDelta]:
+        """Send ``msg`` and yield its deltas until the final one (finish_reason
+        set). See the module docstring for the failure contract. Raises
+        ``ValueError`` if ``msg.rid`` is already in flight on this client."""
+        if self._sock is None:
+            await self.start()
+        if self._closed:
+            raise WorkerClientClosed("client is closed")
+        rid = msg.rid
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in flight on this client")
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self._post(msg)
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise WorkerTimeout(
+                        f"no reply for request {rid!r} from {self.endpoint} "
+                        f"within {self.timeout_s:g}s"
+                    ) from None
+                if isinstance(item, WorkerError):
+                    if not isinstance(item, WorkerDisconnected):
+                        finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._queues.get(rid) is queue:
+                del self._queues[rid]
+            if not finished and not self._closed:
+                self._post(Abort(rid))
+
+    async def abort(self, rid: str) -> None:
+        """Ask the worker to stop ``rid``; its iterator then gets an "abort" delta."""
+        if self._sock is None:
+            await self.start()
+        self._post(Abort(rid))
+
+    # -- internals -------------------------------------------------------------
+
+    def _post(self, msg: Any) -> None:
+        # Synchronous so it works from a generator's finally during cancellation.
+        self._outbox.put_nowait(to_worker.encoder.encode(msg))
+
+    async def _flush(self) -> None:
+        await self._outbox.join()
+
+    async def _send_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frame = await self._outbox.get()
+            try:
+                await self._sock.send(frame)
+            except zmq.ZMQError as e:
+                log.warning("send to %s failed: %s", self.endpoint, e)
+            finally:
+                self._outbox.task_done()
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                frame = await self._sock.recv()
+            except zmq.ZMQError as e:
+                log.error("receive from %s failed: %s", self.endpoint, e)
+                self._fail_all(WorkerDisconnected(f"receive from {self.endpoint} failed: {e}"))
+                return
+            try:
+                tokens = to_gateway.decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("ignoring a malformed frame from %s: %s", self.endpoint, e)
+                continue
+            for delta in tokens.deltas:
+                queue = self._queues.get(delta.rid)
+                if queue is not None:
+                    queue.put_nowait(delta)
+
+    async def _watch(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except (zmq.ZMQError, ValueError, KeyError) as e:
+                log.warning("socket monitor of %s stopped: %s", self.endpoint, e)
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                log.warning("lost the connection to worker %s", self.endpoint)
+                self._fail_all(WorkerDisconnected(f"connection to {self.endpoint} dropped"))
+
+    def _fail_all(self, error: WorkerError) -> None:
+        """End every in-flight request with ``error`` (they can get no more deltas)."""
+        for queue in self._queues.values():
+            queue.put_nowait(error)

@@ -1,0 +1,386 @@
+"""The engine process of a worker: one ``WorkerLoop`` behind two ZMQ sockets.
+
+- request plane: ROUTER at ``tcp://{host}:{request_port}``. Requesters (DEALER)
+  send ``to_worker`` messages; each step, every requester with news gets ONE
+  ``Tokens`` frame holding its deltas.
+- control plane: ROUTER at an ``ipc://`` path chosen by the front, answering
+  msgpack maps ``{"id": n, "op": ...}`` with ``{"id": n, "ok": bool, ...}``.
+  Ops: ``ready`` (startup result: endpoints and static info, or the startup
+  error), ``ping``, ``stats``, ``server_info``, ``shutdown``.
+
+The control socket is bound before the model loads, so the front's ``ready``
+request waits in the queue and is answered as soon as startup ends either way.
+
+Module-level imports stay torch-free: the front imports this module to spawn it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.protocol import to_gateway, to_worker
+from engine.protocol.to_gateway import TokenDelta, Tokens
+from engine.protocol.to_worker import Abort
+from engine.worker.config import WorkerConfig
+
+log = logging.getLogger("engine.worker.engine")
+
+IDLE_POLL_MS = 5
+HOUSEKEEPING_S = 0.5
+MAX_MESSAGES_PER_ITERATION = 4096
+STARTUP_ERROR_LINGER_S = 30.0
+"""After a failed startup, how long to wait for the front to ask for the error."""
+
+_ctrl_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_ctrl(obj: dict[str, Any]) -> bytes:
+    return _ctrl_encoder.encode(obj)
+
+
+def decode_ctrl(data: bytes) -> dict[str, Any]:
+    obj = msgspec.msgpack.decode(data)
+    if not isinstance(obj, dict):
+        raise ValueError("control message is not a map")
+    return obj
+
+
+def setup_logging(level: str, process: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s [{process}] %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def engine_main(config: WorkerConfig, ctrl_endpoint: str) -> None:
+    """Entry point of the spawned engine process; exits non-zero on failure."""
+    setup_logging(config.log_level, f"{config.role}-engine")
+    # Ctrl-C reaches the whole process group; the front decides when we stop.
+    # SIGTERM kills at once until startup is done, then stops gracefully.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(EngineServer(config, ctrl_endpoint).run())
+
+
+def _peek_rid(payload: bytes) -> str | None:
+    """The ``rid`` of a frame that failed validation, if it has a usable one."""
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    rid = obj.get("rid") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) and rid else None
+
+
+class EngineServer:
+    def __init__(self, config: WorkerConfig, ctrl_endpoint: str) -> None:
+        self.config = config
+        self.ctrl_endpoint = ctrl_endpoint
+        self.ctx = zmq.Context()
+        self.ctrl: zmq.Socket | None = None
+        self.router: zmq.Socket | None = None
+        self.loop: Any = None  # WorkerLoop; imported lazily (torch)
+        self.request_endpoint: str | None = None
+        self.info: dict[str, Any] = {}
+        self.exit_code = 0
+        self._stop = False
+        self._started = time.monotonic()
+        # rid -> requester. Only owned rids get deltas forwarded, so a request
+        # ends with exactly one final delta even when it times out here.
+        self._owners: dict[str, bytes] = {}
+        self._deadlines: dict[str, float] = {}
+        self._counters = {
+            "bad_frames_total": 0,
+            "duplicate_rids_total": 0,
+            "timed_out_total": 0,
+            "engine_steps_total": 0,
+            "engine_step_seconds_total": 0.0,
+        }
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def run(self) -> int:
+        self.ctrl = self.ctx.socket(zmq.ROUTER)
+        self.ctrl.linger = 1000
+        self.ctrl.bind(self.ctrl_endpoint)
+        try:
+            self._startup()
+        except Exception as e:
+            log.error("startup failed:\n%s", traceback.format_exc())
+            self._report_startup_error(f"{type(e).__name__}: {e}")
+            self._close_loop()
+            self._close_sockets()
+            return 1
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
+        log.info(
+            "ready: role=%s request_endpoint=%s bootstrap_endpoint=%s",
+            self.config.role,
+            self.request_endpoint,
+            self.info.get("bootstrap_endpoint"),
+        )
+        try:
+            self._serve()
+        except Exception:
+            log.error("engine loop crashed:\n%s", traceback.format_exc())
+            self._fail_all("worker engine crashed; see the worker log")
+            self.exit_code = 1
+        finally:
+            self._shutdown()
+        return self.exit_code
+
+    def _startup(self) -> None:
+        from engine.worker.roles import load_loop_class
+
+        cfg = self.config.resolve()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        # Replies to a requester that went away are dropped, never an error;
+        # no send high-water mark, so a slow but live requester loses nothing.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.sndhwm = 0
+        self.router.rcvhwm = 0
+        self.router.linger = 500
+        if ":" in cfg.host:
+            self.router.ipv6 = True
+        bind_host = f"tcp://{cfg.host if ':' not in cfg.host else f'[{cfg.host}]'}"
+        if cfg.request_port == 0:
+            port = self.router.bind_to_random_port(bind_host)
+        else:
+            self.router.bind(f"{bind_host}:{cfg.request_port}")
+            port = cfg.request_port
+        cfg = cfg.with_request_port(port)
+        self.config = cfg
+        self.request_endpoint = cfg.request_endpoint
+        loop_cls = load_loop_class(cfg.role)
+        self.loop = loop_cls(cfg)
+        self.info = {
+            "role": cfg.role,
+            "model": cfg.model,
+            "served_model_name": cfg.model_name,
+            "request_endpoint": self.request_endpoint,
+            "bootstrap_endpoint": self.loop.bootstrap_endpoint,
+            "page_size": cfg.page_size,
+            "context_length": cfg.context_length,
+            "transfer_backend": cfg.transfer_backend,
+            **self.loop.info(),
+        }
+
+    def _report_startup_error(self, message: str) -> None:
+        """Answer control requests with the error until one was answered."""
+        assert self.ctrl is not None
+        parent = multiprocessing.parent_process()
+        deadline = time.monotonic() + STARTUP_ERROR_LINGER_S
+        while time.monotonic() < deadline and not self._stop:
+            if parent is not None and not parent.is_alive():
+                return
+            if not self.ctrl.poll(100):
+                continue
+            frames = self.ctrl.recv_multipart()
+            if len(frames) != 2:
+                continue
+            try:
+                req_id = decode_ctrl(frames[1]).get("id")
+            except (msgspec.DecodeError, ValueError):
+                req_id = None
+            reply = {"id": req_id, "ok": False, "error": message}
+            self.ctrl.send_multipart([frames[0], encode_ctrl(reply)])
+            return
+
+    def _shutdown(self) -> None:
+        self._fail_all("worker is shutting down")
+        self._close_loop()
+        self._close_sockets()
+        log.info("engine process stopped")
+
+    def _close_loop(self) -> None:
+        if self.loop is not None:
+            try:
+                self.loop.close()
+            except Exception:
+                log.exception("loop.close() failed")
+
+    def _close_sockets(self) -> None:
+        for sock in (self.router, self.ctrl):
+            if sock is not None:
+                sock.close()
+        self.ctx.term()
+
+    # -- main loop -------------------------------------------------------------
+
+    def _serve(self) -> None:
+        assert self.router is not None and self.ctrl is not None
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.ctrl, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        next_housekeeping = time.monotonic() + HOUSEKEEPING_S
+        while not self._stop:
+            events = dict(poller.poll(0 if self.loop.has_work() else IDLE_POLL_MS))
+            if self.router in events:
+                self._drain(self.router, self._on_request)
+            if self.ctrl in events:
+                self._drain(self.ctrl, self._on_ctrl)
+            if self._stop:
+                break
+            if self.loop.has_work():
+                self._step()
+            now = time.monotonic()
+            if now >= next_housekeeping:
+                next_housekeeping = now + HOUSEKEEPING_S
+                if parent is not None and not parent.is_alive():
+                    log.error("front process is gone; stopping")
+                    self.exit_code = 1
+                    return
+                self._expire(now)
+
+    def _drain(self, sock: zmq.Socket, handler: Any) -> None:
+        for _ in range(MAX_MESSAGES_PER_ITERATION):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._counters["bad_frames_total"] += 1
+                log.warning("ignoring a message of %d frames (expected 2)", len(frames))
+                continue
+            handler(frames[0], frames[1])
+
+    def _on_request(self, client: bytes, payload: bytes) -> None:
+        try:
+            msg = to_worker.decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._counters["bad_frames_total"] += 1
+            rid = _peek_rid(payload)
+            log.warning("ignoring a malformed request (rid=%s): %s", rid, e)
+            if rid is not None and rid not in self._owners:
+                self._send(client, [_error(rid, f"malformed request: {e}")])
+            return
+        if isinstance(msg, Abort):
+            owner = self._owners.get(msg.rid)
+            if owner is None:
+                return
+            if owner != client:
+                log.warning("ignoring abort of %r from a requester that does not own it", msg.rid)
+                return
+            self._abort_quietly(msg.rid)
+            return
+        if msg.rid in self._owners:
+            self._counters["duplicate_rids_total"] += 1
+            self._send(client, [_error(msg.rid, f"request id {msg.rid!r} is already in use")])
+            return
+        self._owners[msg.rid] = client
+        if self.config.request_timeout_s > 0:
+            self._deadlines[msg.rid] = time.monotonic() + self.config.request_timeout_s
+        try:
+            self.loop.submit(msg, client)
+        except Exception as e:
+            log.exception("loop.submit(%r) raised", msg.rid)
+            del self._owners[msg.rid]
+            self._deadlines.pop(msg.rid, None)
+            self._send(client, [_error(msg.rid, f"internal error: {type(e).__name__}: {e}")])
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        deltas = self.loop.step()
+        self._counters["engine_steps_total"] += 1
+        self._counters["engine_step_seconds_total"] += time.perf_counter() - t0
+        by_client: dict[bytes, list[TokenDelta]] = {}
+        for client, delta in deltas:
+            if self._owners.get(delta.rid) != client:
+                continue
+            by_client.setdefault(client, []).append(delta)
+            if delta.finish_reason is not None:
+                del self._owners[delta.rid]
+                self._deadlines.pop(delta.rid, None)
+        for client, items in by_client.items():
+            self._send(client, items)
+
+    def _expire(self, now: float) -> None:
+        expired = [rid for rid, t in self._deadlines.items() if t <= now]
+        for rid in expired:
+            client = self._owners.pop(rid)
+            del self._deadlines[rid]
+            self._counters["timed_out_total"] += 1
+            log.warning("request %r exceeded request_timeout_s; aborting it", rid)
+            self._abort_quietly(rid)
+            limit = self.config.request_timeout_s
+            self._send(client, [_error(rid, f"request timed out after {limit:g}s in the worker")])
+
+    def _fail_all(self, message: str) -> None:
+        """Give every in-flight request its final (error) delta."""
+        by_client: dict[bytes, list[TokenDelta]] = {}
+        for rid, client in self._owners.items():
+            by_client.setdefault(client, []).append(_error(rid, message))
+            if self.loop is not None:
+                self._abort_quietly(rid)
+        self._owners.clear()
+        self._deadlines.clear()
+        for client, items in by_client.items():
+            self._send(client, items)
+
+    def _abort_quietly(self, rid: str) -> None:
+        try:
+            self.loop.abort(rid)
+        except Exception:
+            log.exception("loop.abort(%r) raised", rid)
+
+    def _send(self, client: bytes, deltas: list[TokenDelta]) -> None:
+        assert self.router is not None
+        frame = to_gateway.encoder.encode(Tokens(deltas))
+        try:
+            self.router.send_multipart([client, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("could not send to a requester: %s", e)
+
+    # -- control plane ---------------------------------------------------------
+
+    def _on_ctrl(self, ident: bytes, payload: bytes) -> None:
+        assert self.ctrl is not None
+        try:
+            req = decode_ctrl(payload)
+        except (msgspec.DecodeError, ValueError) as e:
+            log.warning("ignoring a malformed control message: %s", e)
+            return
+        op = req.get("op")
+        reply: dict[str, Any] = {"id": req.get("id"), "ok": True}
+        try:
+            if op == "ready":
+                reply.update(self.info)
+            elif op == "stats":
+                reply["stats"] = self.stats()
+            elif op == "server_info":
+                reply["info"] = {**self.info, "stats": self.stats()}
+            elif op == "shutdown":
+                self._stop = True
+            elif op != "ping":
+                reply.update(ok=False, error=f"unknown op {op!r}")
+        except Exception as e:
+            log.exception("control op %r failed", op)
+            reply.update(ok=False, error=f"{op} failed: {type(e).__name__}: {e}")
+        self.ctrl.send_multipart([ident, encode_ctrl(reply)])
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.loop.stats(),
+            "in_flight": len(self._owners),
+            "requesters": len(set(self._owners.values())),
+            "uptime_seconds": round(time.monotonic() - self._started, 3),
+            **self._counters,
+        }
+
+
+def _error(rid: str, message: str) -> TokenDelta:
+    return TokenDelta(rid, [], [], "error", 0, message)
