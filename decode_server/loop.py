@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.engine import Engine
+from engine.engine import Engine, InFlight
 from engine.protocol.to_gateway import TokenDelta
 from engine.protocol.to_worker import Generate, Prefill
 from engine.request import EngineRequestError, Request
@@ -67,6 +67,7 @@ class DecodeLoop(WorkerLoop):
         self.by_rid: dict[str, Room] = {}
         self.prealloc: deque[Room] = deque()
         self.outbox: list[tuple[bytes, TokenDelta]] = []
+        self.inflight: InFlight | None = None
         self.counters = {"transfers_ok": 0, "transfers_failed": 0}
 
     @property
@@ -194,17 +195,17 @@ class DecodeLoop(WorkerLoop):
         self._kv_events()
         self._admit_prealloc()
         self._deadlines()
-        batch = self.scheduler.schedule()
-        if batch is not None:
-            fwd = self.engine.runner.forward(batch.forward, batch.sampling)
-            for r in self.scheduler.process(batch, fwd):
-                delta = TokenDelta(
-                    r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens
-                )
-                if r.finish_reason is None:
-                    self.outbox.append((self.clients[r.rid], delta))
-                else:
-                    self._finish(r.rid, delta)
+        # Overlap: step N+1 is scheduled and launched before step N's tokens
+        # are read back and streamed.
+        self.inflight, results = self.engine.overlap_step(self.inflight)
+        for r in results:
+            delta = TokenDelta(
+                r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens
+            )
+            if r.finish_reason is None:
+                self.outbox.append((self.clients[r.rid], delta))
+            else:
+                self._finish(r.rid, delta)
         out, self.outbox = self.outbox, []
         return out
 
@@ -248,7 +249,9 @@ class DecodeLoop(WorkerLoop):
                 self._release_room(room)
 
     def has_work(self) -> bool:
-        return bool(self.rooms or self.outbox or self.scheduler.has_work())
+        return bool(
+            self.rooms or self.outbox or self.inflight is not None or self.scheduler.has_work()
+        )
 
     def stats(self) -> dict:
         sched = self.scheduler

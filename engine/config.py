@@ -203,6 +203,8 @@ class EngineConfig:
     context_length: int | None = None
     """None: the model's max_position_embeddings."""
     enable_prefix_cache: bool = True
+    overlap: bool = True
+    """Schedule step N+1 while step N runs (decode and colocated engines)."""
     attention_backend: str = "auto"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
+
+import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.request import EngineRequestError, Request, StepOutput
-from engine.runner import ModelRunner
+from engine.runner import ForwardOutput, ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
+
+
+class InFlight(NamedTuple):
+    batch: ScheduledBatch
+    out: ForwardOutput
 
 
 class Engine:
@@ -76,13 +84,38 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+    def launch(self, inflight: InFlight | None = None) -> InFlight | None:
+        """Schedule and start the next forward; with ``inflight`` it is built
+        while that one runs and takes its sampled tokens on the device."""
+        batch = self.scheduler.schedule(inflight.batch if inflight else None)
         if batch is None:
-            return []
-        out = self.runner.forward(batch.forward, batch.sampling)
-        results = self.scheduler.process(batch, out)
+            return None
+        if batch.future_rows:
+            assert inflight is not None
+            src = torch.tensor(batch.future_src, device=inflight.out.token_ids.device)
+            rows = torch.tensor(batch.future_rows, device=batch.forward.input_ids.device)
+            batch.forward.input_ids[rows] = inflight.out.token_ids[src]
+        return InFlight(batch, self.runner.forward(batch.forward, batch.sampling))
+
+    def finish(self, inflight: InFlight) -> list[StepOutput]:
+        """Wait for a launched forward and apply its tokens."""
+        results = self.scheduler.process(inflight.batch, inflight.out)
         for r in results:
             if r.finish_reason is not None:
                 self._rids.discard(r.rid)
         return results
+
+    def overlap_step(self, inflight: InFlight | None) -> tuple[InFlight | None, list[StepOutput]]:
+        """Launch step N+1, then finish step N: the host's scheduling and
+        bookkeeping overlap the device's forward. After a starved schedule the
+        next step runs without overlap, where retraction is allowed."""
+        nxt = None if self.scheduler.starved else self.launch(inflight)
+        results = self.finish(inflight) if inflight is not None else []
+        if nxt is None:
+            self.scheduler.starved = False
+        return nxt, results
+
+    def step(self) -> list[StepOutput]:
+        """One forward without overlap."""
+        inflight = self.launch()
+        return [] if inflight is None else self.finish(inflight)

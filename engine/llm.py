@@ -67,8 +67,13 @@ class LLM:
                 self.engine.add_request(rid, p_ids, p)
                 outputs[rid] = GenerationOutput(prompt_token_ids=p_ids)
                 order.append(rid)
-            while self.engine.has_unfinished():
-                for r in self.engine.step():
+            inflight = None
+            while self.engine.has_unfinished() or inflight is not None:
+                if self.engine.config.overlap:
+                    inflight, results = self.engine.overlap_step(inflight)
+                else:
+                    results = self.engine.step()
+                for r in results:
                     o = outputs[r.rid]
                     o.token_ids.append(r.token_id)
                     o.logprobs.append(r.logprob)

@@ -28,11 +28,14 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
     num_computed: int = 0
-    """Leading tokens of ``fill_ids`` whose KV is in the pool."""
+    """Leading tokens of ``fill_ids`` whose KV is in the pool or being written
+    by a launched forward."""
     num_cached_tokens: int = -1
     """Prefix-cache hit at first admission (-1 until admitted)."""
     cache_node: RadixNode | None = None
     finish_reason: str | None = None
+    pending: int = 0
+    """Tokens sampled by a launched forward but not yet appended (overlap)."""
 
     def __post_init__(self) -> None:
         if not self.fill_ids:
@@ -49,7 +52,15 @@ class Request:
     @property
     def remaining(self) -> int:
         """Tokens still to run through the model before the next sample."""
-        return len(self.fill_ids) - self.num_computed
+        return len(self.fill_ids) + self.pending - self.num_computed
+
+    @property
+    def will_finish(self) -> bool:
+        """The in-flight token already reaches max_tokens or the window."""
+        return self.pending > 0 and (
+            self.num_output + self.pending >= self.params.max_tokens
+            or len(self.fill_ids) + self.pending >= self.max_total_len
+        )
 
 
 class StepOutput(NamedTuple):

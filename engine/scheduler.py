@@ -28,6 +28,10 @@ class ScheduledBatch(NamedTuple):
     sample_requests: list[Request]
     """Requests that get a token this step, in logits order."""
     sampling: SamplingBatch | None
+    future_rows: list[int]
+    """Rows of ``forward.input_ids`` whose token is still being sampled by the
+    in-flight batch; ``future_src`` gives its index in that batch's output."""
+    future_src: list[int]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -51,6 +55,8 @@ class Scheduler:
         self.running: list[Request] = []
         """Admitted requests (they hold pages), oldest first."""
         self.num_retracted = 0
+        self.starved = False
+        """The last overlapped ``schedule`` left a request without pages."""
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -69,6 +75,7 @@ class Scheduler:
             if req.rid == rid:
                 self.running.remove(req)
                 self._release(req)
+                req.finish_reason = "abort"
                 return req
         return None
 
@@ -80,7 +87,13 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, inflight: ScheduledBatch | None = None) -> ScheduledBatch | None:
+        """The next batch. With ``inflight`` (overlap), it is built while that
+        batch runs: its sampled tokens feed this one on the device, and nothing
+        is retracted (the in-flight batch may still touch any page); a request
+        that cannot get pages is skipped and ``starved`` is set, so the caller
+        runs one step without overlap."""
+        self.starved = False
         budget = self.config.max_num_batched_tokens
         chunk = self.config.effective_chunk_size
         chosen: list[tuple[Request, int]] = []
@@ -93,11 +106,15 @@ class Scheduler:
                 break
             if req not in self.running:  # retracted to make room for an older one
                 continue
+            if req.will_finish:
+                continue
             n = min(req.remaining, budget, chunk)
-            if self._reserve(req, n, taken):
+            if self._reserve(req, n, None if inflight is not None else taken):
                 chosen.append((req, n))
                 taken.add(id(req))
                 budget -= n
+            elif inflight is not None:
+                self.starved = True
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             self._admit_prefix(req)
@@ -112,7 +129,7 @@ class Scheduler:
             budget -= n
         if not chosen:
             return None
-        return self._build(chosen)
+        return self._build(chosen, inflight)
 
     def _admit_prefix(self, req: Request) -> None:
         """Point the request at its longest cached prefix (at least one token is left
@@ -165,22 +182,37 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_retracted += 1
 
-    def _build(self, chosen: list[tuple[Request, int]]) -> ScheduledBatch:
+    def _build(
+        self, chosen: list[tuple[Request, int]], inflight: ScheduledBatch | None
+    ) -> ScheduledBatch:
         specs = []
         sample_reqs: list[Request] = []
+        future_rows: list[int] = []
+        future_src: list[int] = []
+        in_flight_index = (
+            {id(r): i for i, r in enumerate(inflight.sample_requests)} if inflight else {}
+        )
+        row = 0
         for req, n in chosen:
             end = req.num_computed + n
-            last = end == len(req.fill_ids)
+            last = end == len(req.fill_ids) + req.pending
             if last:
                 sample_reqs.append(req)
+            new_ids = req.fill_ids[req.num_computed : end]
+            if req.pending:
+                # Only a decoding request has a token in flight, and it is the
+                # one token this step feeds; it is filled in on the device.
+                assert n == 1 and not new_ids, "a pending token must be the only new one"
+                new_ids = [0]
+                future_rows.append(row)
+                future_src.append(in_flight_index[id(req)])
             specs.append(
-                ExtendSpec(
-                    req.fill_ids[req.num_computed : end],
-                    req.num_computed,
-                    req.page_table,
-                    "last" if last else "none",
-                )
+                ExtendSpec(new_ids, req.num_computed, req.page_table, "last" if last else "none")
             )
+            # Counted at launch: a later overlapped schedule must see these
+            # positions as taken, and the device runs batches in order.
+            req.num_computed = end
+            row += n
         device = self.pool.kv.device
         fb = build_forward_batch(specs, self.page_size, device)
         sampling = None
@@ -188,24 +220,36 @@ class Scheduler:
             sampling = SamplingBatch.build(
                 [r.params for r in sample_reqs],
                 [r.seed for r in sample_reqs],
-                [r.num_output for r in sample_reqs],
+                [r.num_output + r.pending for r in sample_reqs],
                 self.model_config.vocab_size,
                 device,
             )
+        for r in sample_reqs:
+            r.pending += 1
         return ScheduledBatch(
-            [r for r, _ in chosen], [n for _, n in chosen], fb, sample_reqs, sampling
+            [r for r, _ in chosen],
+            [n for _, n in chosen],
+            fb,
+            sample_reqs,
+            sampling,
+            future_rows,
+            future_src,
         )
 
     # -- results -----------------------------------------------------------
 
     def process(self, batch: ScheduledBatch, out: ForwardOutput) -> list[StepOutput]:
-        for req, n in zip(batch.requests, batch.extend_lens):
-            req.num_computed += n
+        """Apply a finished forward. Requests that ended (or were aborted) after
+        this batch was launched drop its results: their pages are already back,
+        and any later batch that reuses them runs after this one."""
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         results: list[StepOutput] = []
         sampled = {id(r) for r in batch.sample_requests}
         for req, tok, lp in zip(batch.sample_requests, tokens, logprobs):
+            req.pending -= 1
+            if req.finish_reason is not None:
+                continue
             req.fill_ids.append(tok)
             req.output_logprobs.append(lp)
             req.finish_reason = self._finish_reason(req, tok)

@@ -91,13 +91,14 @@ def test_prefix_cache_hit_equals_cold_run(hf_checkpoint) -> None:
     assert_no_leak(warm)
 
 
-def test_pool_pressure_retracts_and_stays_correct(hf_checkpoint) -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pool_pressure_retracts_and_stays_correct(hf_checkpoint, overlap: bool) -> None:
     path, _ = hf_checkpoint("qwen3-gqa2-tied")
     prompts = prompts_of([20, 25, 12, 30, 8, 16, 22, 27], seed=9)
-    roomy = LLM(str(path), page_size=4, num_pages=512)
+    roomy = LLM(str(path), page_size=4, num_pages=512, overlap=False)
     expected = [o.token_ids for o in roomy.generate(prompts, GREEDY32)]
     # Each request needs up to 16 pages; 40 pages cannot hold all 8 at once.
-    tight = LLM(str(path), page_size=4, num_pages=41)
+    tight = LLM(str(path), page_size=4, num_pages=41, overlap=overlap)
     got = tight.generate(prompts, GREEDY32)
     assert [o.token_ids for o in got] == expected
     assert tight.engine.scheduler.num_retracted > 0
@@ -222,3 +223,27 @@ def test_missing_and_mismatched_weights(hf_checkpoint, tmp_path) -> None:
     (d2 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightLoadError, match="lacks"):
         LLM(str(d2))
+
+
+def test_overlap_launches_next_step_before_reading_the_last(hf_checkpoint) -> None:
+    path, _ = hf_checkpoint("llama-gqa4-tied")
+    llm = LLM(str(path), page_size=4, num_pages=64)
+    eng = llm.engine
+    prompt = prompts_of([9], seed=13)[0]
+    eng.add_request("a", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    first, res = eng.overlap_step(None)
+    assert first is not None and res == []  # launched, nothing read back yet
+    second, res = eng.overlap_step(first)
+    assert [r.token_id for r in res] == first.out.token_ids.tolist()
+    # Step 2 was built before step 1's token reached the host; its input was
+    # filled in from step 1's output on the device.
+    assert second is not None and second.batch.future_rows == [0]
+    assert second.batch.forward.input_ids[0].item() == res[0].token_id
+    assert second.batch.forward.positions[0].item() == len(prompt)
+    third, res2 = eng.overlap_step(second)
+    # max_tokens is 3: the third token is in flight, so nothing more is launched.
+    assert third is not None
+    fourth, res3 = eng.overlap_step(third)
+    assert fourth is None and res3[-1].finish_reason == "length"
+    assert len(res) + len(res2) + len(res3) == 3
+    assert_no_leak(llm)

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from engine.engine import Engine
+from engine.engine import Engine, InFlight
 from engine.protocol.to_gateway import TokenDelta
 from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
 from engine.request import EngineRequestError
@@ -93,6 +93,7 @@ class ColocatedLoop(WorkerLoop):
         self.engine = Engine(config.engine_config())
         self._clients: dict[str, bytes] = {}
         self._outbox: list[tuple[bytes, TokenDelta]] = []
+        self._inflight: InFlight | None = None
         self._counters = {
             "requests_total": 0,
             "requests_finished_total": 0,
@@ -137,9 +138,9 @@ class ColocatedLoop(WorkerLoop):
 
     def step(self) -> list[tuple[bytes, TokenDelta]]:
         out, self._outbox = self._outbox, []
-        if not self.engine.has_unfinished():
+        if not self.engine.has_unfinished() and self._inflight is None:
             return out
-        results = self.engine.step()
+        self._inflight, results = self.engine.overlap_step(self._inflight)
         self._counters["forward_steps_total"] += 1
         for r in results:
             client = self._clients.get(r.rid)
@@ -160,7 +161,7 @@ class ColocatedLoop(WorkerLoop):
         return out
 
     def has_work(self) -> bool:
-        return bool(self._outbox) or self.engine.has_unfinished()
+        return bool(self._outbox) or self._inflight is not None or self.engine.has_unfinished()
 
     def stats(self) -> dict[str, Any]:
         sched = self.engine.scheduler
