@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,6 +33,7 @@ import zmq.asyncio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from engine.protocol import tokenizer_files
 from engine.worker.config import WorkerConfig
 from engine.worker.engine_proc import decode_ctrl, encode_ctrl, engine_main, setup_logging
 
@@ -300,6 +302,13 @@ def build_app(state: FrontState) -> FastAPI:
             "engine_pid": state.engine.pid,
             "started_at": state.started,
         }
+
+    @app.get("/tokenizer")
+    async def tokenizer() -> Any:
+        model = state.info.get("model")
+        if not model or not Path(model).is_dir():
+            return JSONResponse({"error": "this worker has no tokenizer files"}, status_code=404)
+        return tokenizer_files.pack(model)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -1,0 +1,652 @@
+"""The OpenAI-compatible HTTP API over the prefill and decode pools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from engine.protocol import tokenizer_files
+from engine.protocol.client import WorkerError
+from engine.protocol.to_worker import SamplingSpec
+from engine.sampling_params import InvalidSamplingParams, SamplingParams
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher, NoWorkerAvailable
+from gateway.metrics import GatewayMetrics
+from gateway.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    now,
+)
+from gateway.router import HealthChecker, Router
+from gateway.router import WorkerError as RouterWorkerError
+from gateway.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+log = logging.getLogger("gateway")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+    def response(self) -> JSONResponse:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        return JSONResponse(body, status_code=self.status)
+
+
+class ChoiceEvent(NamedTuple):
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    cached_tokens: int
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    router: Router
+    health: HealthChecker
+    dispatcher: Dispatcher
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    tokenizer: Tokenizer | None = None
+    model_name: str = ""
+    context_length: int = 0
+
+    async def load_model_facts(self) -> None:
+        """Tokenizer, served name and context window from the first worker."""
+        workers = self.router.workers()
+        if not workers:
+            raise RuntimeError("no workers to take the tokenizer from")
+        w = workers[0]
+        async with httpx.AsyncClient(timeout=30) as http:
+            body = (await http.get(f"{w.url}/tokenizer")).raise_for_status().json()
+            info = (await http.get(f"{w.url}/server_info")).raise_for_status().json()
+        self.tokenizer = Tokenizer.from_files(tokenizer_files.unpack(body))
+        self.model_name = self.config.served_model_name or info.get("served_model_name") or "model"
+        self.context_length = int(info.get("context_length") or self.tokenizer.model_max_length)
+
+
+# -- request translation ------------------------------------------------------------
+
+
+def _sampling(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, seed: int | None
+) -> SamplingSpec:
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+    except InvalidSamplingParams as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return SamplingSpec(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    if len(stops) > 16:
+        raise APIError(400, "at most 16 stop strings", param="stop")
+    return stops
+
+
+def _check_lengths(
+    state: GatewayState, prompt: list[int], max_tokens: int | None, param: str
+) -> int:
+    cfg = state.config
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param=param)
+    if cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens:
+        raise APIError(
+            400,
+            f"prompt has {len(prompt)} tokens; the limit is {cfg.max_prompt_tokens}",
+            param=param,
+        )
+    room = state.context_length - len(prompt)
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens < 1:
+        raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
+    if len(prompt) + max_tokens > state.context_length:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {state.context_length} tokens; the request has "
+            f"{len(prompt)} prompt tokens and asks for {max_tokens} more",
+            param="max_tokens" if room > 0 else param,
+        )
+    return max_tokens
+
+
+# -- generation ---------------------------------------------------------------------
+
+
+async def _choice(
+    state: GatewayState, prompt: list[int], spec: SamplingSpec, stops: list[str]
+) -> AsyncIterator[ChoiceEvent]:
+    """One completion: detokenized deltas, cut at the first stop string."""
+    assert state.tokenizer is not None
+    detok = IncrementalDetokenizer(state.tokenizer)
+    matcher = StopStringMatcher(stops) if stops else None
+    stream = state.dispatcher.stream(prompt, spec)
+    try:
+        async for delta in stream:
+            if delta.finish_reason in ("error", "abort"):
+                raise APIError(
+                    502,
+                    delta.error or f"request {delta.finish_reason}ed by a worker",
+                    type_="server_error",
+                    code="upstream_error",
+                )
+            text = detok.push(delta.token_ids)
+            finish = delta.finish_reason
+            if finish is not None:
+                text += detok.flush()
+            if matcher is not None:
+                text, hit = matcher.push(text)
+                if hit:
+                    yield ChoiceEvent(
+                        text, delta.token_ids, delta.logprobs, "stop", delta.num_cached_tokens
+                    )
+                    return  # leaving the stream aborts the request on the workers
+                if finish is not None:
+                    text += matcher.flush()
+            yield ChoiceEvent(
+                text, delta.token_ids, delta.logprobs, finish, delta.num_cached_tokens
+            )
+            if finish is not None:
+                return
+    except NoWorkerAvailable as e:
+        raise APIError(503, str(e), type_="server_error", code="no_worker") from None
+    except WorkerError as e:
+        raise APIError(
+            502, f"worker failed: {e}", type_="server_error", code="upstream_error"
+        ) from None
+    finally:
+        await stream.aclose()
+
+
+async def _merge_choices(
+    gens: list[AsyncIterator[ChoiceEvent]],
+) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    """Interleave the choices of one request as their events arrive."""
+    queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[ChoiceEvent]) -> None:
+        try:
+            async for ev in gen:
+                await queue.put((i, ev))
+            await queue.put((i, None))
+        except BaseException as e:  # noqa: BLE001 (re-raised in the consumer)
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+# -- the app ----------------------------------------------------------------------
+
+
+def build_app(state: GatewayState) -> FastAPI:
+    cfg = state.config
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for url in urls:
+                await state.health.add_worker(url, role)
+        await state.load_model_facts()
+        await state.health.start()
+        try:
+            yield
+        finally:
+            await state.health.stop()
+            await state.dispatcher.close()
+
+    app = FastAPI(title="disagg-serve gateway", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
+        state.metrics.failures.inc(e.code or str(e.status))
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        return APIError(
+            400,
+            f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
+            param=loc[0] if loc else None,
+        ).response()
+
+    @app.middleware("http")
+    async def guards(request: Request, call_next: Any) -> Response:
+        path = request.url.path
+        auth = request.headers.get("authorization")
+        if path.startswith("/v1/") and cfg.api_key and auth != f"Bearer {cfg.api_key}":
+            return APIError(401, "invalid or missing API key", code="invalid_api_key").response()
+        if path.startswith("/admin/") and cfg.admin_key and auth != f"Bearer {cfg.admin_key}":
+            return APIError(401, "invalid or missing admin key", code="invalid_api_key").response()
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
+            return APIError(
+                400,
+                f"request body is {size} bytes; the limit is {cfg.max_body_bytes}",
+                code="body_too_large",
+            ).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = any(
+            state.router.is_available(w) for w in state.router.workers() if w.role != "prefill"
+        )
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
+        )
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.context_length)])
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            state.metrics.render(state.router), media_type="text/plain; version=0.0.4"
+        )
+
+    @app.get("/admin/workers")
+    async def list_workers() -> Any:
+        return {"workers": [w.to_dict() for w in state.router.workers()]}
+
+    @app.post("/admin/workers")
+    async def add_worker(body: dict[str, Any]) -> Any:
+        url = body.get("url")
+        if not isinstance(url, str):
+            raise APIError(400, "body must carry the worker's url", param="url")
+        try:
+            w = await state.health.add_worker(url, body.get("role"))
+        except RouterWorkerError as e:
+            raise APIError(400, str(e), param="url") from None
+        if state.tokenizer is None:
+            await state.load_model_facts()
+        return w.to_dict()
+
+    @app.delete("/admin/workers")
+    async def remove_worker(url: str) -> Any:
+        w = await state.health.remove_worker(url)
+        if w is None:
+            raise APIError(404, f"no worker {url}", param="url", code="not_found")
+        return {"removed": url, "draining": True}
+
+    def check_model(name: str) -> None:
+        if name != state.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        check_model(req.model)
+        assert state.tokenizer is not None
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [state.tokenizer.encode(p)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [state.tokenizer.encode(x) for x in p]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        else:
+            raise APIError(
+                400, "prompt must be a string, a list of strings or token ids", param="prompt"
+            )
+        vocab = state.tokenizer.vocab_size
+        for ids in prompts:
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return await run(req, prompts, chat=False, default_max=16)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest) -> Response:
+        check_model(req.model)
+        assert state.tokenizer is not None
+        msgs = [m.model_dump(exclude_none=True) for m in req.messages]
+        if not msgs:
+            raise APIError(400, "messages must not be empty", param="messages")
+        try:
+            ids = state.tokenizer.chat_ids(msgs, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return await run(req, [ids], chat=True, default_max=None)
+
+    async def run(
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        chat: bool,
+        default_max: int | None,
+    ) -> Response:
+        if not 1 <= req.n <= 16:
+            raise APIError(400, "n must be between 1 and 16", param="n")
+        if chat and req.top_logprobs:  # type: ignore[union-attr]
+            raise APIError(400, "top_logprobs is not supported yet", param="top_logprobs")
+        if not chat and req.logprobs and req.logprobs > 1:  # type: ignore[union-attr]
+            raise APIError(400, "logprobs above 1 are not supported yet", param="logprobs")
+        stops = _stops(req.stop)
+        requested = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
+        jobs = []
+        for p_index, ids in enumerate(prompts):
+            max_tokens = _check_lengths(state, ids, requested, "messages" if chat else "prompt")
+            for i in range(req.n):
+                # n > 1 with a seed: distinct but reproducible streams per choice.
+                seed = None if req.seed is None else (req.seed + i) % (1 << 63)
+                jobs.append((p_index, ids, _sampling(req, max_tokens, seed)))
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        gens = [_choice(state, ids, spec, stops) for _, ids, spec in jobs]
+        timeout = cfg.request_timeout_s
+        started = time.monotonic()
+        state.metrics.requests.inc("chat" if chat else "completions")
+        if req.stream:
+            return StreamingResponse(
+                _sse(state, req, rid, chat, prompts, jobs, gens, timeout, started),
+                media_type="text/event-stream",
+            )
+        try:
+            async with asyncio.timeout(timeout):
+                results = [[] for _ in jobs]
+                async for i, ev in _merge_choices(gens):
+                    results[i].append(ev)
+        except TimeoutError:
+            raise APIError(
+                504,
+                f"request did not finish within {timeout:g}s",
+                type_="server_error",
+                code="timeout",
+            ) from None
+        state.metrics.e2e.observe(time.monotonic() - started)
+        return JSONResponse(_full_response(state, req, rid, chat, prompts, jobs, results))
+
+    return app
+
+
+def _usage(
+    prompts: list[list[int]], jobs: list, counts: list[int], cached: list[int]
+) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(counts)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached)},
+    }
+
+
+def _chat_logprobs(state: GatewayState, ids: list[int], lps: list[float]) -> dict[str, Any]:
+    assert state.tokenizer is not None
+    content = []
+    for t, lp in zip(ids, lps):
+        tok = state.tokenizer.decode([t])
+        content.append(
+            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(
+    state: GatewayState, ids: list[int], lps: list[float], offset: int
+) -> dict[str, Any]:
+    assert state.tokenizer is not None
+    tokens = [state.tokenizer.decode([t]) for t in ids]
+    offsets, pos = [], offset
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps,
+        "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)],
+        "text_offset": offsets,
+    }
+
+
+def _full_response(
+    state: GatewayState,
+    req: Any,
+    rid: str,
+    chat: bool,
+    prompts: list[list[int]],
+    jobs: list,
+    results: list[list[ChoiceEvent]],
+) -> dict[str, Any]:
+    choices = []
+    counts, cached = [], []
+    for index, ((_p, ids, _spec), events) in enumerate(zip(jobs, results)):
+        text = "".join(e.text for e in events)
+        toks = [t for e in events for t in e.token_ids]
+        lps = [x for e in events for x in e.logprobs]
+        finish = events[-1].finish_reason if events else "stop"
+        counts.append(len(toks))
+        cached.append(
+            max((e.cached_tokens for e in events), default=0) if index % req.n == 0 else 0
+        )
+        if chat:
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": _chat_logprobs(state, toks, lps) if req.logprobs else None,
+                "finish_reason": finish,
+            }
+        else:
+            prefix = state.tokenizer.decode(ids) if req.echo and state.tokenizer else ""
+            choice = {
+                "index": index,
+                "text": prefix + text,
+                "logprobs": _completion_logprobs(state, toks, lps, len(prefix))
+                if req.logprobs
+                else None,
+                "finish_reason": finish,
+            }
+        if req.return_token_ids:
+            choice["token_ids"] = toks
+        choices.append(choice)
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": now(),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(prompts, jobs, counts, cached),
+    }
+    if req.return_token_ids:
+        body["prompt_token_ids"] = prompts[0] if len(prompts) == 1 else prompts
+    return body
+
+
+async def _sse(
+    state: GatewayState,
+    req: Any,
+    rid: str,
+    chat: bool,
+    prompts: list[list[int]],
+    jobs: list,
+    gens: list[AsyncIterator[ChoiceEvent]],
+    timeout: float,
+    started: float,
+) -> AsyncIterator[str]:
+    created = now()
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(
+        choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, **extra: Any
+    ) -> str:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+            **extra,
+        }
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    counts = [0] * len(jobs)
+    cached = [0] * len(jobs)
+    first_seen = [False] * len(jobs)
+    last_at = [0.0] * len(jobs)
+    if chat:
+        for i in range(len(jobs)):
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+    elif req.echo:
+        for i, (_p, ids, _s) in enumerate(jobs):
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "text": state.tokenizer.decode(ids),
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+    try:
+        async with asyncio.timeout(timeout):
+            async for i, ev in _merge_choices(gens):
+                t = time.monotonic()
+                if ev.token_ids:
+                    if not first_seen[i]:
+                        state.metrics.ttft.observe(t - started)
+                        first_seen[i] = True
+                    else:
+                        state.metrics.itl.observe(t - last_at[i])
+                    last_at[i] = t
+                counts[i] += len(ev.token_ids)
+                if i % req.n == 0:
+                    cached[i] = max(cached[i], ev.cached_tokens)
+                if not ev.text and ev.finish_reason is None:
+                    continue
+                if chat:
+                    delta = {"content": ev.text} if ev.text else {}
+                    c: dict[str, Any] = {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": _chat_logprobs(state, ev.token_ids, ev.logprobs)
+                        if req.logprobs
+                        else None,
+                        "finish_reason": ev.finish_reason,
+                    }
+                else:
+                    c = {
+                        "index": i,
+                        "text": ev.text,
+                        "logprobs": _completion_logprobs(state, ev.token_ids, ev.logprobs, 0)
+                        if req.logprobs
+                        else None,
+                        "finish_reason": ev.finish_reason,
+                    }
+                if req.return_token_ids:
+                    c["token_ids"] = ev.token_ids
+                extra = (
+                    {"prompt_token_ids": jobs[i][1]}
+                    if req.return_token_ids and counts[i] == len(ev.token_ids)
+                    else {}
+                )
+                yield chunk([c], **extra)
+    except TimeoutError:
+        err = {
+            "message": f"request did not finish within {timeout:g}s",
+            "type": "server_error",
+            "param": None,
+            "code": "timeout",
+        }
+        yield f"data: {json.dumps({'error': err})}\n\n"
+    except APIError as e:
+        err = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
+        yield f"data: {json.dumps({'error': err})}\n\n"
+    else:
+        state.metrics.e2e.observe(time.monotonic() - started)
+        if include_usage:
+            yield chunk([], usage=_usage(prompts, jobs, counts, cached))
+    yield "data: [DONE]\n\n"

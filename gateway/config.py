@@ -1,0 +1,34 @@
+"""Gateway configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.router import RouterConfig
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    prefill: tuple[str, ...] = ()
+    """Prefill worker URLs at start (more can join with --register or the admin API)."""
+    decode: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    """Name clients use; None: the workers' served name."""
+    api_key: str | None = None
+    admin_key: str | None = None
+    router: RouterConfig = field(default_factory=RouterConfig)
+    request_timeout_s: float = 600.0
+    """Every request ends within this, streaming or not."""
+    worker_timeout_s: float = 120.0
+    """A worker that sends nothing for a request this long fails it."""
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None
+    """None: only the model's context window limits prompts."""
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= 0 or self.worker_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")

@@ -1,0 +1,116 @@
+"""The embedded default: with no backends given, the gateway starts one local
+prefill and one local decode worker and stops them when it stops."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    model: str | None = None
+    """Checkpoint dir; None: the built-in tiny model."""
+    device: str = "auto"
+    prefill_device: str | None = None
+    decode_device: str | None = None
+    transfer_backend: str = "tcp"
+    page_size: int = 16
+    kv_cache_memory_gb: float = 0.25
+    start_timeout_s: float = 300.0
+    extra_args: tuple[str, ...] = ()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedWorkers:
+    """Owns the two worker processes; always use as a context manager."""
+
+    def __init__(self, config: EmbeddedConfig) -> None:
+        self.config = config
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.prefill_url = ""
+        self.decode_url = ""
+        self.cluster_token = secrets.token_hex(16)
+
+    def _cmd(self, module: str, role: str, port: int, device: str) -> list[str]:
+        c = self.config
+        cmd = [sys.executable, "-m", module, "--role", role, "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "--device", device, "--page-size", str(c.page_size)]
+        cmd += ["--kv-cache-memory-gb", str(c.kv_cache_memory_gb)]
+        cmd += ["--transfer-backend", c.transfer_backend]
+        if c.model is not None:
+            cmd += ["--model", c.model]
+        else:
+            from engine.tiny import TINY_MODEL_NAME
+
+            cmd += ["--served-model-name", TINY_MODEL_NAME]
+        return cmd + list(c.extra_args)
+
+    def __enter__(self) -> EmbeddedWorkers:
+        c = self.config
+        env = {**os.environ, "DISAGG_CLUSTER_TOKEN": self.cluster_token}
+        ports = (_free_port(), _free_port())
+        specs = (
+            ("prefill_server", "prefill", ports[0], c.prefill_device or c.device),
+            ("decode_server", "decode", ports[1], c.decode_device or c.device),
+        )
+        try:
+            for module, role, port, device in specs:
+                # Own process group: Ctrl-C in the terminal reaches the gateway,
+                # which then stops the workers in order.
+                self.procs.append(
+                    subprocess.Popen(
+                        self._cmd(module, role, port, device), env=env, start_new_session=True
+                    )
+                )
+            self.prefill_url = f"http://127.0.0.1:{ports[0]}"
+            self.decode_url = f"http://127.0.0.1:{ports[1]}"
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        for proc, url in zip(self.procs, (self.prefill_url, self.decode_url)):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"embedded worker {url} exited with {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"embedded worker {url} not healthy after {self.config.start_timeout_s:g}s"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self.procs = []
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
