@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['batch_size']:>6} {r['input_len']:>6} {r['prefill_tokens_per_s']:>14.0f} "
             f"{r['decode_step_ms_median']:>15.2f} {r['decode_tokens_per_s']:>13.0f}"
         )
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     record = {
         "benchmark": "engine",
         "date": now.isoformat(timespec="seconds"),

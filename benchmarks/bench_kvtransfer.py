@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
 
     commit = git_commit()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     record = {
         "benchmark": "kvtransfer",
         "date": now.isoformat(timespec="seconds"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import NamedTuple
 
 import torch
@@ -17,7 +17,7 @@ class ByteRange(NamedTuple):
     nbytes: int
 
 
-class TransferState(str, Enum):
+class TransferState(StrEnum):
     PENDING = "pending"
     DONE = "done"
     """Every byte has landed in the peer's buffer (not merely left this process)."""

@@ -159,7 +159,7 @@ class WorkerClient:
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), self.timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise WorkerTimeout(
                         f"no reply for request {rid!r} from {self.endpoint} "
                         f"within {self.timeout_s:g}s"
