@@ -29,7 +29,7 @@ from engine.request import EngineRequestError, Request
 from engine.sampling_params import InvalidSamplingParams
 from engine.worker.config import WorkerConfig
 from engine.worker.kv_setup import engine_compat, kv_backend
-from engine.worker.loop import WorkerLoop, error_delta, to_sampling_params
+from engine.worker.loop import WorkerLoop, error_delta, step_delta, to_sampling_params
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
 
@@ -199,9 +199,7 @@ class DecodeLoop(WorkerLoop):
         # are read back and streamed.
         self.inflight, results = self.engine.overlap_step(self.inflight)
         for r in results:
-            delta = TokenDelta(
-                r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens
-            )
+            delta = step_delta(r)
             if r.finish_reason is None:
                 self.outbox.append((self.clients[r.rid], delta))
             else:

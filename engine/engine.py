@@ -90,12 +90,17 @@ class Engine:
         batch = self.scheduler.schedule(inflight.batch if inflight else None)
         if batch is None:
             return None
+        return self.launch_batch(batch, inflight)
+
+    def launch_batch(self, batch: ScheduledBatch, inflight: InFlight | None = None) -> InFlight:
+        """Start the forward of an already scheduled batch."""
         if batch.future_rows:
             assert inflight is not None
             src = torch.tensor(batch.future_src, device=inflight.out.token_ids.device)
             rows = torch.tensor(batch.future_rows, device=batch.forward.input_ids.device)
             batch.forward.input_ids[rows] = inflight.out.token_ids[src]
-        return InFlight(batch, self.runner.forward(batch.forward, batch.sampling))
+        out = self.runner.forward(batch.forward, batch.sampling, batch.top_logprobs)
+        return InFlight(batch, out)
 
     def finish(self, inflight: InFlight) -> list[StepOutput]:
         """Wait for a launched forward and apply its tokens."""

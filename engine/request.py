@@ -70,3 +70,4 @@ class StepOutput(NamedTuple):
     finish_reason: str | None
     """None while running; "stop", "length" or "abort" at the end."""
     num_cached_tokens: int
+    top_logprobs: list[tuple[int, float]] | None = None

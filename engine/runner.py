@@ -23,6 +23,9 @@ class ForwardOutput(NamedTuple):
     """``[num_sampled]`` next token of each request that asked for logits."""
     logprobs: torch.Tensor
     """``[num_sampled]`` log-probability of that token under the raw logits."""
+    top_ids: torch.Tensor | None = None
+    """``[num_sampled, k]`` most likely tokens, when some request asked for them."""
+    top_logprobs: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -73,10 +76,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> ForwardOutput:
+    def forward(
+        self, batch: ForwardBatch, sampling: SamplingBatch | None, top_logprobs: int = 0
+    ) -> ForwardOutput:
         logits = self.forward_logits(batch)
         if sampling is None or logits.shape[0] == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return ForwardOutput(empty, empty.float())
         out = sample(logits, sampling)
-        return ForwardOutput(out.token_ids, out.logprobs)
+        if top_logprobs == 0:
+            return ForwardOutput(out.token_ids, out.logprobs)
+        top = logits.float().log_softmax(-1).topk(min(top_logprobs, logits.shape[-1]), dim=-1)
+        return ForwardOutput(out.token_ids, out.logprobs, top.indices, top.values)

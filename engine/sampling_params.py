@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range. ``param`` names it."""
@@ -26,6 +28,8 @@ class SamplingParams:
     """Fixes the random stream of this request: same seed, same tokens."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    top_logprobs: int = 0
+    """Also return this many most likely tokens (and logprobs) at each step."""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience but the stored value stays immutable.
@@ -47,6 +51,10 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidSamplingParams(
                 "seed", f"must be a non-negative integer, got {self.seed!r}"
+            )
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingParams(
+                "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidSamplingParams("stop_token_ids", "token ids must be >= 0")

@@ -32,6 +32,8 @@ class ScheduledBatch(NamedTuple):
     """Rows of ``forward.input_ids`` whose token is still being sampled by the
     in-flight batch; ``future_src`` gives its index in that batch's output."""
     future_src: list[int]
+    top_logprobs: int
+    """Largest ``top_logprobs`` asked for by a sampled request (0: none)."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -234,6 +236,7 @@ class Scheduler:
             sampling,
             future_rows,
             future_src,
+            max((r.params.top_logprobs for r in sample_reqs), default=0),
         )
 
     # -- results -----------------------------------------------------------
@@ -246,7 +249,9 @@ class Scheduler:
         logprobs = out.logprobs.tolist()
         results: list[StepOutput] = []
         sampled = {id(r) for r in batch.sample_requests}
-        for req, tok, lp in zip(batch.sample_requests, tokens, logprobs):
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for row, (req, tok, lp) in enumerate(zip(batch.sample_requests, tokens, logprobs)):
             req.pending -= 1
             if req.finish_reason is not None:
                 continue
@@ -256,7 +261,13 @@ class Scheduler:
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._on_finish(req)
-            results.append(StepOutput(req.rid, tok, lp, req.finish_reason, req.num_cached_tokens))
+            top = None
+            if req.params.top_logprobs and top_ids is not None and top_lps is not None:
+                k = req.params.top_logprobs
+                top = list(zip(top_ids[row][:k], top_lps[row][:k]))
+            results.append(
+                StepOutput(req.rid, tok, lp, req.finish_reason, req.num_cached_tokens, top)
+            )
         if self.cache is not None and self.share_chunks:
             # Share finished prefill chunks at once, so concurrent requests with
             # the same prefix (and a later retraction) reuse them.

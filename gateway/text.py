@@ -30,6 +30,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from engine.protocol import tokenizer_files
+
 __all__ = [
     "TOKENIZER_FILES",
     "ChatTemplateError",
@@ -40,14 +42,7 @@ __all__ = [
 
 # The files a tokenizer is built from: what `Tokenizer.from_dir` reads and what a worker's
 # `GET /tokenizer` sends. Only `tokenizer.json` is required.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "config.json",
-    "chat_template.jinja",
-)
+TOKENIZER_FILES = tokenizer_files.TOKENIZER_FILES
 
 # Named special tokens handed to chat templates (plus any model specific `*_token` entries).
 _NAMED_SPECIAL_TOKENS = (
@@ -422,9 +417,7 @@ class Tokenizer:
         root = Path(path)
         if not (root / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{root} has no tokenizer.json")
-        return cls.from_files(
-            {n: (root / n).read_bytes() for n in TOKENIZER_FILES if (root / n).is_file()}
-        )
+        return cls.from_files(cls.read_files(root))
 
     @classmethod
     def from_files(cls, files: Mapping[str, bytes | str]) -> Tokenizer:

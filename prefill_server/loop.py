@@ -21,7 +21,7 @@ from engine.request import EngineRequestError, Request
 from engine.sampling_params import InvalidSamplingParams
 from engine.worker.config import WorkerConfig
 from engine.worker.kv_setup import engine_compat, kv_backend
-from engine.worker.loop import WorkerLoop, error_delta, to_sampling_params
+from engine.worker.loop import WorkerLoop, error_delta, step_delta, to_sampling_params
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.backend import TransferState
 from kvtransfer.prefill_side import PrefillKVPlane
@@ -52,7 +52,16 @@ class PrefillLoop(WorkerLoop):
         super().__init__(config)
         self.engine = Engine(config.engine_config(), PrefillScheduler)
         self.scheduler = self.engine.scheduler
-        backend = kv_backend(self.engine, config.transfer_backend, "prefill", config.host)
+        # The backend's own write timeout is --transfer-timeout-s too: a write to a
+        # dead decode worker must fail (and free its pages) within that, not
+        # after the backend's built-in default (10 s).
+        backend = kv_backend(
+            self.engine,
+            config.transfer_backend,
+            "prefill",
+            config.host,
+            timeout=None,
+        )
         self.kv = PrefillKVPlane(
             config.host,
             config.bootstrap_port,
@@ -65,6 +74,9 @@ class PrefillLoop(WorkerLoop):
         self.by_rid: dict[str, Room] = {}
         self.early: dict[str, tuple[str, to_prefill.Reserve, float]] = {}
         """Reservations that arrived before their Prefill request."""
+        self.cancelled: dict[str, tuple[str, float]] = {}
+        """Rooms the decode engine aborted before their Prefill request came:
+        room -> (decode engine, until when a late Prefill for it is refused)."""
         self.outbox: list[tuple[bytes, TokenDelta]] = []
         self.stats_counters = {"transfers_ok": 0, "transfers_failed": 0, "bytes_sent": 0}
 
@@ -80,6 +92,12 @@ class PrefillLoop(WorkerLoop):
             error = "a prefill worker only serves Prefill requests"
         elif msg.room in self.rooms:
             error = f"room {msg.room!r} is already in use"
+        elif self._was_cancelled(msg.room):
+            # Its reservation is void (the decode engine freed those pages on our
+            # AbortAck): prefilling it now would write into pages that may
+            # already hold another request's KV.
+            self.outbox.append((client, TokenDelta(msg.rid, [], [], "abort", 0)))
+            return
         elif msg.decode_bootstrap in self.kv.rejected:
             error = self.kv.rejected[msg.decode_bootstrap]
         else:
@@ -103,6 +121,10 @@ class PrefillLoop(WorkerLoop):
         early = self.early.pop(msg.room, None)
         if early is not None:
             self._on_reserve(early[0], early[1])
+
+    def _was_cancelled(self, room: str) -> bool:
+        entry = self.cancelled.pop(room, None)
+        return entry is not None and time.monotonic() <= entry[1]
 
     def abort(self, rid: str) -> None:
         room = self.by_rid.get(rid)
@@ -174,18 +196,28 @@ class PrefillLoop(WorkerLoop):
                 if room is not None and room.decode == decode:
                     self._fail(room, f"decode worker aborted the room: {msg.reason}", aborted=True)
                 else:
+                    early = self.early.get(msg.room)
+                    if early is not None and early[0] == decode:
+                        # A reservation that came before its Prefill is void from
+                        # now on: drop it, and refuse the Prefill if it still comes.
+                        del self.early[msg.room]
+                        deadline = time.monotonic() + self.config.transfer_timeout_s
+                        self.cancelled[msg.room] = (decode, deadline)
                     self.kv.send(decode, to_decode.AbortAck(msg.room))
+        if self.kv.rejected:
+            # Rooms waiting for a decode engine whose handshake was just refused
+            # fail now, with the reason (e.g. the mismatching compat field),
+            # rather than later with a bare "no KV reservation" timeout.
+            for room in list(self.rooms.values()):
+                if room.reserve is None and room.failed is None and room.decode in self.kv.rejected:
+                    self._fail(room, self.kv.rejected[room.decode])
         batch = self.scheduler.schedule()
         if batch is not None:
-            fwd = self.engine.runner.forward(batch.forward, batch.sampling)
-            for r in self.scheduler.process(batch, fwd):
+            for r in self.engine.finish(self.engine.launch_batch(batch)):
                 room = self.by_rid[r.rid]
                 room.first = (r.token_id, r.logprob, r.finish_reason)
                 # The first token reaches the requester before the transfer ends.
-                delta = TokenDelta(
-                    r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens
-                )
-                self.outbox.append((room.client, delta))
+                self.outbox.append((room.client, step_delta(r)))
             for req in batch.requests:
                 room = self.by_rid[req.rid]
                 if room.failed is None:
@@ -232,6 +264,9 @@ class PrefillLoop(WorkerLoop):
             # A requester that already has its first token learns of a failure
             # from the decode side, which streams the rest.
             self._drop(room)
+        for r, (_decode, deadline) in list(self.cancelled.items()):
+            if now > deadline:
+                del self.cancelled[r]
         for r, (decode, _msg, deadline) in list(self.early.items()):
             if now > deadline:
                 del self.early[r]
@@ -264,7 +299,20 @@ class PrefillLoop(WorkerLoop):
         self.engine.forget(room.req.rid)
 
     def has_work(self) -> bool:
-        return bool(self.rooms or self.early or self.scheduler.has_work())
+        # The engine process only calls step() (the one place the KV plane is
+        # polled) while this is True. An idle worker must still answer
+        # handshakes, Reserve and AbortRoom: otherwise a decode worker that
+        # reserves before our Prefill arrives, or aborts a room we never got,
+        # waits out its timeouts and then drops this (healthy) peer.
+        # The outbox too: a Prefill refused in submit() (room in use, rejected
+        # decode worker, invalid request) is answered only by the next step().
+        return bool(
+            self.rooms
+            or self.early
+            or self.outbox
+            or self.scheduler.has_work()
+            or self.kv.has_pending()
+        )
 
     def stats(self) -> dict:
         sched = self.scheduler

@@ -14,6 +14,8 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     num_cached_tokens: int = 0
     error: str | None = None
     """Set with finish_reason "error": why the request failed."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token: the most likely (token id, logprob) pairs, when asked for."""
 
 
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):

@@ -16,6 +16,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    top_logprobs: int = 0
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):

@@ -12,6 +12,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "config.json",
+    "chat_template.jinja",
 )
 
 

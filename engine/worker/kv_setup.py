@@ -41,8 +41,15 @@ def _model_id(model: str) -> str:
     return os.path.basename(model)
 
 
-def kv_backend(engine: Engine, backend_name: str, role: str, host: str) -> TransferBackend:
-    kwargs = {"host": host} if backend_name == "tcp" else {}
+def kv_backend(
+    engine: Engine, backend_name: str, role: str, host: str, timeout: float | None = None
+) -> TransferBackend:
+    """The KV transfer backend over ``engine``'s pool. ``timeout``: how long a
+    write may take before the backend fails it (None: the backend's default);
+    the writing (prefill) side passes its ``transfer_timeout_s``."""
+    kwargs: dict[str, object] = {"host": host} if backend_name == "tcp" else {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
     # Agent names must be unique across the cluster (NIXL keys peers by them).
     backend = make_backend(backend_name, f"{role}-{uuid.uuid4().hex[:12]}", **kwargs)
     backend.register(engine.runner.pool.kv)

@@ -11,7 +11,7 @@ import msgspec
 from engine.engine import Engine, InFlight
 from engine.protocol.to_gateway import TokenDelta
 from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
-from engine.request import EngineRequestError
+from engine.request import EngineRequestError, StepOutput
 from engine.sampling_params import InvalidSamplingParams, SamplingParams
 from engine.worker.config import WorkerConfig
 
@@ -79,6 +79,14 @@ class WorkerLoop(ABC):
 def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
     """Wire sampling spec to engine parameters (raises ``InvalidSamplingParams``)."""
     return SamplingParams(**msgspec.structs.asdict(spec))
+
+
+def step_delta(r: StepOutput) -> TokenDelta:
+    """The wire form of one sampled token."""
+    top = None if r.top_logprobs is None else [r.top_logprobs]
+    return TokenDelta(
+        r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens, None, top
+    )
 
 
 def error_delta(rid: str, message: str) -> TokenDelta:
@@ -150,14 +158,7 @@ class ColocatedLoop(WorkerLoop):
             if r.finish_reason is not None:
                 del self._clients[r.rid]
                 self._counters["requests_finished_total"] += 1
-            out.append(
-                (
-                    client,
-                    TokenDelta(
-                        r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens
-                    ),
-                )
-            )
+            out.append((client, step_delta(r)))
         return out
 
     def has_work(self) -> bool:
