@@ -35,6 +35,8 @@ from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.0005
+
 
 @dataclass(eq=False)
 class Room:
@@ -192,12 +194,16 @@ class DecodeLoop(WorkerLoop):
     # -- the loop --------------------------------------------------------------
 
     def step(self) -> list[tuple[bytes, TokenDelta]]:
-        self._kv_events()
+        had_events = self._kv_events()
         self._admit_prealloc()
         self._deadlines()
         # Overlap: step N+1 is scheduled and launched before step N's tokens
         # are read back and streamed.
         self.inflight, results = self.engine.overlap_step(self.inflight)
+        if not (had_events or results or self.outbox or self.inflight):
+            # Only rooms waiting on the KV plane, whose socket the engine
+            # process does not poll: back off instead of spinning a core.
+            time.sleep(IDLE_WAIT_S)
         for r in results:
             delta = step_delta(r)
             if r.finish_reason is None:
@@ -207,14 +213,19 @@ class DecodeLoop(WorkerLoop):
         out, self.outbox = self.outbox, []
         return out
 
-    def _kv_events(self) -> None:
-        for prefill, msg in self.kv.poll():
+    def _kv_events(self) -> bool:
+        """Handle KV-plane messages; True if there were any."""
+        events = self.kv.poll()
+        for prefill, msg in events:
             if isinstance(msg, PeerFailed):
                 for room in [r for r in self.rooms.values() if r.prefill == prefill]:
                     if room.state == "draining":
                         self._release_room(room)
-                    else:
+                    elif room.state == "transfer":
                         self._fail_room(room, "error", msg.reason, peer_alive=False)
+                    # A room still waiting for pages has sent nothing yet: it
+                    # opens a fresh connection (a restarted prefill worker at
+                    # the same address serves it; a refusal fails it then).
                 continue
             room = self.rooms.get(msg.room)
             if room is None or room.prefill != prefill:
@@ -228,6 +239,7 @@ class DecodeLoop(WorkerLoop):
                     self._fail_room(room, "abort", None, peer_alive=False)
             elif room.state == "draining":
                 self._release_room(room)
+        return bool(events)
 
     def _deadlines(self) -> None:
         now = time.monotonic()

@@ -71,6 +71,10 @@ class PrefillKVPlane:
             else:
                 log.warning("dropping %s from a peer without a handshake", type(msg).__name__)
 
+    def has_pending(self) -> bool:
+        """True when a KV-plane message waits to be handled by ``poll``."""
+        return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def _handshake(self, ident: bytes, msg: to_prefill.Handshake) -> None:
         reason = None
         if not verify(

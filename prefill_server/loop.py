@@ -29,6 +29,8 @@ from prefill_server.scheduler import PREFILL_DONE, PrefillScheduler
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.0005
+
 
 @dataclass(eq=False)
 class Room:
@@ -60,7 +62,7 @@ class PrefillLoop(WorkerLoop):
             config.transfer_backend,
             "prefill",
             config.host,
-            timeout=None,
+            timeout=config.transfer_timeout_s,
         )
         self.kv = PrefillKVPlane(
             config.host,
@@ -74,9 +76,9 @@ class PrefillLoop(WorkerLoop):
         self.by_rid: dict[str, Room] = {}
         self.early: dict[str, tuple[str, to_prefill.Reserve, float]] = {}
         """Reservations that arrived before their Prefill request."""
-        self.cancelled: dict[str, tuple[str, float]] = {}
+        self.cancelled: dict[str, float] = {}
         """Rooms the decode engine aborted before their Prefill request came:
-        room -> (decode engine, until when a late Prefill for it is refused)."""
+        room -> until when a late Prefill for it is refused."""
         self.outbox: list[tuple[bytes, TokenDelta]] = []
         self.stats_counters = {"transfers_ok": 0, "transfers_failed": 0, "bytes_sent": 0}
 
@@ -123,8 +125,8 @@ class PrefillLoop(WorkerLoop):
             self._on_reserve(early[0], early[1])
 
     def _was_cancelled(self, room: str) -> bool:
-        entry = self.cancelled.pop(room, None)
-        return entry is not None and time.monotonic() <= entry[1]
+        until = self.cancelled.pop(room, None)
+        return until is not None and time.monotonic() <= until
 
     def abort(self, rid: str) -> None:
         room = self.by_rid.get(rid)
@@ -188,7 +190,8 @@ class PrefillLoop(WorkerLoop):
     # -- the loop --------------------------------------------------------------
 
     def step(self) -> list[tuple[bytes, TokenDelta]]:
-        for decode, msg in self.kv.poll():
+        events = self.kv.poll()
+        for decode, msg in events:
             if isinstance(msg, to_prefill.Reserve):
                 self._on_reserve(decode, msg)
             else:
@@ -201,8 +204,8 @@ class PrefillLoop(WorkerLoop):
                         # A reservation that came before its Prefill is void from
                         # now on: drop it, and refuse the Prefill if it still comes.
                         del self.early[msg.room]
-                        deadline = time.monotonic() + self.config.transfer_timeout_s
-                        self.cancelled[msg.room] = (decode, deadline)
+                        until = time.monotonic() + self.config.transfer_timeout_s
+                        self.cancelled[msg.room] = until
                     self.kv.send(decode, to_decode.AbortAck(msg.room))
         if self.kv.rejected:
             # Rooms waiting for a decode engine whose handshake was just refused
@@ -223,6 +226,10 @@ class PrefillLoop(WorkerLoop):
                 if room.failed is None:
                     self._push(room)
         self._finish_rooms()
+        if batch is None and not events and not self.outbox:
+            # Rooms wait on the KV plane, whose socket the engine process does
+            # not poll: back off instead of spinning a core.
+            time.sleep(IDLE_WAIT_S)
         out, self.outbox = self.outbox, []
         return out
 
@@ -264,8 +271,8 @@ class PrefillLoop(WorkerLoop):
             # A requester that already has its first token learns of a failure
             # from the decode side, which streams the rest.
             self._drop(room)
-        for r, (_decode, deadline) in list(self.cancelled.items()):
-            if now > deadline:
+        for r, until in list(self.cancelled.items()):
+            if now > until:
                 del self.cancelled[r]
         for r, (decode, _msg, deadline) in list(self.early.items()):
             if now > deadline:

@@ -11,13 +11,11 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,15 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from workers import (
+    REPO,
+    Worker,
+    dump_log,
+    free_port,
+    launch_worker,
+    log_tail,
+    worker_cmd,
+)
 
 from engine.llm import LLM
 from engine.protocol import to_gateway, to_worker
@@ -40,7 +47,6 @@ from engine.sampling_params import SamplingParams
 from engine.tiny import ensure_tiny_model
 from engine.worker.cli import CLUSTER_TOKEN_ENV, build_parser
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 ENGINE = dict(
     page_size=4,
@@ -50,81 +56,11 @@ ENGINE = dict(
     max_running_requests=32,
     context_length=128,
 )
-START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Worker:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    start_info: dict[str, Any]
-
-    @property
-    def endpoint(self) -> str:
-        return self.start_info["request_endpoint"]
-
-    def info(self) -> dict[str, Any]:
-        resp = httpx.get(f"{self.url}/server_info", timeout=10)
-        assert resp.status_code == 200, resp.text
-        return resp.json()
-
-    def stats(self) -> dict[str, Any]:
-        return self.info()["stats"]
-
-    def wait_stats(self, pred: Any, what: str, timeout: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if pred(stats):
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"worker never reached: {what}; last stats {stats}")
-            time.sleep(0.05)
-
-
-def _log_tail(path: Path, lines: int = 200) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as e:
-        return f"(no worker log: {e})"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _dump_log(config: pytest.Config, path: Path) -> None:
-    text = f"----- worker log ({path}) -----\n{_log_tail(path)}\n----- end of worker log -----"
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
-        print(f"\n{text}", file=sys.stderr, flush=True)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     return str(ensure_tiny_model())
-
-
-def worker_cmd(module: str, model_dir: str, port: int, **engine: Any) -> list[str]:
-    cmd = [sys.executable, "-m", module, "--role", "both", "--model", model_dir]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    for key, value in engine.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return cmd
 
 
 class FakeGateway:
@@ -156,33 +92,6 @@ class FakeGateway:
         self.server.server_close()
 
 
-@contextlib.contextmanager
-def launch_worker(
-    cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
-) -> Iterator[Worker]:
-    """Start a worker, wait until /health answers 200, always stop it."""
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})}
-        )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"worker exited with {proc.returncode}:\n{_log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"worker not healthy after {START_TIMEOUT_S}s:\n{_log_tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.1)
-        info = httpx.get(f"{url}/server_info", timeout=10).json()
-        yield Worker(url, proc, log_path, info)
-    finally:
-        _stop(proc)
-
-
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[FakeGateway]:
     gw = FakeGateway()
@@ -209,7 +118,7 @@ def worker(
             yield w
     finally:
         if request.session.testsfailed > failed_before:
-            _dump_log(request.config, log_path)
+            dump_log(request.config, log_path)
 
 
 @pytest.fixture(scope="module")
@@ -598,7 +507,7 @@ def test_engine_death_stops_the_front(model_dir: str, tmp_path: Path) -> None:
         assert w.proc.wait(30) != 0
         with contextlib.suppress(httpx.HTTPError):
             assert httpx.get(f"{w.url}/health", timeout=2).status_code == 503
-    log = _log_tail(tmp_path / "worker.log")
+    log = log_tail(tmp_path / "worker.log")
     assert "engine process exited with code -9" in log, log
 
 
