@@ -74,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail a request when its worker sends nothing for this long (default: 120)",
     )
     ap.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=RouterConfig.health_interval_s,
+        help="seconds between two health checks of a worker; a worker failing two in a row "
+        "takes no new requests until one passes (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=RouterConfig.health_timeout_s,
+        help="HTTP timeout of one health check (default: %(default)s)",
+    )
+    ap.add_argument(
         "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
     )
     ap.add_argument(
@@ -104,15 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    router_cfg = RouterConfig(
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        skip_prefill_threshold=args.skip_prefill_threshold,
-    )
+    try:
+        router_cfg = RouterConfig(
+            prefill_policy=args.prefill_policy,
+            decode_policy=args.decode_policy,
+            skip_prefill_threshold=args.skip_prefill_threshold,
+            health_interval_s=args.health_interval_s,
+            health_timeout_s=args.health_timeout_s,
+        )
+    except ValueError as e:  # bad flag values: a usage error, not a traceback
+        parser.error(str(e))
     with contextlib.ExitStack() as stack:
         prefill, decode = tuple(args.prefill), tuple(args.decode)
         if not prefill and not decode:

@@ -68,6 +68,26 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator.
+
+    Invariant: when a client disconnects mid-stream, its requests are aborted
+    on the workers at once. Starlette cancels the sending task on disconnect
+    but leaves the body iterator as it is: when the cancellation lands in
+    ``send`` (common behind an http middleware, which hands chunks over a
+    memory stream) the generator stays suspended at a ``yield`` until garbage
+    collection, while its requests run on to their end on the workers.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 class ChoiceEvent(NamedTuple):
     text: str
     token_ids: list[int]
@@ -221,11 +241,20 @@ async def _merge_choices(
 ) -> AsyncIterator[tuple[int, ChoiceEvent]]:
     """Interleave the choices of one request as their events arrive."""
     queue: asyncio.Queue[tuple[int, ChoiceEvent | BaseException | None]] = asyncio.Queue()
+    closing = False
 
     async def pump(i: int, gen: AsyncIterator[ChoiceEvent]) -> None:
+        # Invariant: once the merge is closed, every choice's stream is closed
+        # (its requests aborted) at its next event at the latest, even when the
+        # cancel below is lost: asyncio.wait_for (in the worker client) drops a
+        # cancel that races a result on Python 3.11, and the pump would then
+        # consume the request to its end.
         try:
-            async for ev in gen:
-                await queue.put((i, ev))
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for ev in gen:
+                    if closing:
+                        return
+                    await queue.put((i, ev))
             await queue.put((i, None))
         except BaseException as e:  # noqa: BLE001 (re-raised in the consumer)
             await queue.put((i, e))
@@ -242,6 +271,7 @@ async def _merge_choices(
             else:
                 yield i, item
     finally:
+        closing = True
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -294,6 +324,11 @@ def build_app(state: GatewayState) -> FastAPI:
         if path.startswith("/admin/") and cfg.admin_key and auth != f"Bearer {cfg.admin_key}":
             return APIError(401, "invalid or missing admin key", code="invalid_api_key").response()
         size = request.headers.get("content-length")
+        if size is None and request.method in ("POST", "PUT", "PATCH"):
+            # Invariant: no body over max_body_bytes reaches a handler, framed
+            # by Content-Length or not (a chunked body has no header to check;
+            # it is read here and handed on from Starlette's request cache).
+            size = str(len(await request.body()))
         if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
             return APIError(
                 400,
@@ -417,7 +452,7 @@ def build_app(state: GatewayState) -> FastAPI:
         started = time.monotonic()
         state.metrics.requests.inc("chat" if chat else "completions")
         if req.stream:
-            return StreamingResponse(
+            return _ClosingStreamingResponse(
                 _sse(state, req, rid, chat, prompts, jobs, gens, timeout, started),
                 media_type="text/event-stream",
             )
@@ -567,6 +602,13 @@ async def _sse(
     cached = [0] * len(jobs)
     first_seen = [False] * len(jobs)
     last_at = [0.0] * len(jobs)
+    # Invariant: a choice's streamed token_ids (and logprobs) add up to all of
+    # its tokens. A token whose text is still held back (half a UTF-8
+    # character, a possible stop-string prefix) sends no chunk of its own, so
+    # its ids and logprobs ride on the choice's next chunk instead of being lost.
+    held_ids: list[list[int]] = [[] for _ in jobs]
+    held_lps: list[list[float]] = [[] for _ in jobs]
+    prompt_sent = [False] * len(jobs)
     if chat:
         for i in range(len(jobs)):
             yield chunk(
@@ -592,8 +634,10 @@ async def _sse(
                 ]
             )
     try:
-        async with asyncio.timeout(timeout):
-            async for i, ev in _merge_choices(gens):
+        # aclosing: leaving this generator (the client went away) must close the
+        # merge at once, which cancels the choices and aborts their requests.
+        async with asyncio.timeout(timeout), contextlib.aclosing(_merge_choices(gens)) as merged:
+            async for i, ev in merged:
                 t = time.monotonic()
                 if ev.token_ids:
                     if not first_seen[i]:
@@ -606,33 +650,34 @@ async def _sse(
                 if i % req.n == 0:
                     cached[i] = max(cached[i], ev.cached_tokens)
                 if not ev.text and ev.finish_reason is None:
+                    held_ids[i] += ev.token_ids
+                    held_lps[i] += ev.logprobs
                     continue
+                ids, lps = held_ids[i] + ev.token_ids, held_lps[i] + ev.logprobs
+                held_ids[i], held_lps[i] = [], []
                 if chat:
                     delta = {"content": ev.text} if ev.text else {}
                     c: dict[str, Any] = {
                         "index": i,
                         "delta": delta,
-                        "logprobs": _chat_logprobs(state, ev.token_ids, ev.logprobs)
-                        if req.logprobs
-                        else None,
+                        "logprobs": _chat_logprobs(state, ids, lps) if req.logprobs else None,
                         "finish_reason": ev.finish_reason,
                     }
                 else:
                     c = {
                         "index": i,
                         "text": ev.text,
-                        "logprobs": _completion_logprobs(state, ev.token_ids, ev.logprobs, 0)
+                        "logprobs": _completion_logprobs(state, ids, lps, 0)
                         if req.logprobs
                         else None,
                         "finish_reason": ev.finish_reason,
                     }
                 if req.return_token_ids:
-                    c["token_ids"] = ev.token_ids
-                extra = (
-                    {"prompt_token_ids": jobs[i][1]}
-                    if req.return_token_ids and counts[i] == len(ev.token_ids)
-                    else {}
-                )
+                    c["token_ids"] = ids
+                extra = {}
+                if req.return_token_ids and not prompt_sent[i]:
+                    extra = {"prompt_token_ids": jobs[i][1]}
+                    prompt_sent[i] = True
                 yield chunk([c], **extra)
     except TimeoutError:
         err = {

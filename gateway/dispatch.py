@@ -64,24 +64,30 @@ class Dispatcher:
         if prefill is not None:
             self.router.begin(prefill, len(prompt_ids))
         ok_d = ok_p = False
+        # aclosing: leaving this iterator early closes the worker streams now
+        # (which aborts the request on the workers), not when the inner
+        # generators happen to be garbage-collected.
         try:
             if prefill is None:
                 gen = (await self._client(decode)).generate(Generate(rid, prompt_ids, spec))
-                async for delta in gen:
-                    ok_d = delta.finish_reason != "error"
-                    yield delta
+                async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                    async for delta in gen:
+                        ok_d = delta.finish_reason != "error"
+                        yield delta
                 return
             room = secrets.token_hex(16)
             dclient, pclient = await self._client(decode), await self._client(prefill)
-            async for delta, source in _merge(
+            merged = _merge(
                 pclient.generate(Prefill(rid, prompt_ids, spec, room, decode.bootstrap_endpoint)),
                 dclient.generate(Generate(rid, prompt_ids, spec, room, prefill.bootstrap_endpoint)),
-            ):
-                if source == "prefill":
-                    ok_p = delta.finish_reason != "error"
-                else:
-                    ok_d = delta.finish_reason != "error"
-                yield delta
+            )
+            async with contextlib.aclosing(merged):
+                async for delta, source in merged:
+                    if source == "prefill":
+                        ok_p = delta.finish_reason != "error"
+                    else:
+                        ok_d = delta.finish_reason != "error"
+                    yield delta
         finally:
             self.router.end(decode, load, ok_d)
             if prefill is not None:

@@ -158,7 +158,11 @@ class WorkerClient:
             self._post(msg)
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), self.timeout_s)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancel that races a result, and an abandoned stream would
+                    # then run to its end on the worker.
+                    async with asyncio.timeout(self.timeout_s):
+                        item = await queue.get()
                 except TimeoutError:
                     raise WorkerTimeout(
                         f"no reply for request {rid!r} from {self.endpoint} "
