@@ -29,7 +29,13 @@ from engine.request import EngineRequestError, Request
 from engine.sampling_params import InvalidSamplingParams
 from engine.worker.config import WorkerConfig
 from engine.worker.kv_setup import engine_compat, kv_backend
-from engine.worker.loop import WorkerLoop, error_delta, step_delta, to_sampling_params
+from engine.worker.loop import (
+    WorkerLoop,
+    engine_stats,
+    error_delta,
+    step_delta,
+    to_sampling_params,
+)
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
 
@@ -264,22 +270,10 @@ class DecodeLoop(WorkerLoop):
         )
 
     def stats(self) -> dict:
-        sched = self.scheduler
-        alloc = self.engine.runner.pool.allocator
-        cache = sched.cache
         return {
-            "role": "decode",
-            "free_pages": alloc.num_free,
-            "total_pages": alloc.capacity,
-            "cached_pages": cache.cached_pages if cache else 0,
-            "available_pages": sched.num_free_pages,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
+            **engine_stats(self.engine, "decode"),
             "prealloc": len(self.prealloc),
             "transferring": sum(r.state == "transfer" for r in self.rooms.values()),
-            "retracted_total": sched.num_retracted,
-            "prefix_cache_hit_tokens": cache.stats().hit_tokens if cache else 0,
-            "prefix_cache_query_tokens": cache.stats().query_tokens if cache else 0,
             **self.counters,
         }
 

@@ -21,7 +21,13 @@ from engine.request import EngineRequestError, Request
 from engine.sampling_params import InvalidSamplingParams
 from engine.worker.config import WorkerConfig
 from engine.worker.kv_setup import engine_compat, kv_backend
-from engine.worker.loop import WorkerLoop, error_delta, step_delta, to_sampling_params
+from engine.worker.loop import (
+    WorkerLoop,
+    engine_stats,
+    error_delta,
+    step_delta,
+    to_sampling_params,
+)
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.backend import TransferState
 from kvtransfer.prefill_side import PrefillKVPlane
@@ -322,20 +328,9 @@ class PrefillLoop(WorkerLoop):
         )
 
     def stats(self) -> dict:
-        sched = self.scheduler
-        alloc = self.engine.runner.pool.allocator
-        cache = sched.cache
         return {
-            "role": "prefill",
-            "free_pages": alloc.num_free,
-            "total_pages": alloc.capacity,
-            "cached_pages": cache.cached_pages if cache else 0,
-            "available_pages": sched.num_free_pages,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
+            **engine_stats(self.engine, "prefill"),
             "rooms": len(self.rooms),
-            "prefix_cache_hit_tokens": cache.stats().hit_tokens if cache else 0,
-            "prefix_cache_query_tokens": cache.stats().query_tokens if cache else 0,
             **self.stats_counters,
         }
 

@@ -81,6 +81,28 @@ def to_sampling_params(spec: SamplingSpec) -> SamplingParams:
     return SamplingParams(**msgspec.structs.asdict(spec))
 
 
+def engine_stats(engine: Engine, role: str) -> dict[str, Any]:
+    """Pool, queue and prefix-cache numbers every role reports."""
+    sched = engine.scheduler
+    alloc = engine.runner.pool.allocator
+    cache = sched.cache
+    cstats = cache.stats() if cache is not None else None
+    return {
+        "role": role,
+        "free_pages": alloc.num_free,
+        "total_pages": alloc.capacity,
+        "cached_pages": cstats.cached_pages if cstats else 0,
+        "evictable_pages": cstats.evictable_pages if cstats else 0,
+        "locked_pages": cstats.locked_pages if cstats else 0,
+        "available_pages": sched.num_free_pages,
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "retracted_total": sched.num_retracted,
+        "prefix_cache_hit_tokens": cstats.hit_tokens if cstats else 0,
+        "prefix_cache_query_tokens": cstats.query_tokens if cstats else 0,
+    }
+
+
 def step_delta(r: StepOutput) -> TokenDelta:
     """The wire form of one sampled token."""
     top = None if r.top_logprobs is None else [r.top_logprobs]
@@ -165,25 +187,7 @@ class ColocatedLoop(WorkerLoop):
         return bool(self._outbox) or self._inflight is not None or self.engine.has_unfinished()
 
     def stats(self) -> dict[str, Any]:
-        sched = self.engine.scheduler
-        alloc = self.engine.runner.pool.allocator
-        cache = sched.cache
-        cstats = cache.stats() if cache is not None else None
-        return {
-            "role": "both",
-            "free_pages": alloc.num_free,
-            "total_pages": alloc.capacity,
-            "cached_pages": cstats.cached_pages if cstats else 0,
-            "evictable_pages": cstats.evictable_pages if cstats else 0,
-            "locked_pages": cstats.locked_pages if cstats else 0,
-            "available_pages": sched.num_free_pages,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "retracted_total": sched.num_retracted,
-            "prefix_cache_hit_tokens": cstats.hit_tokens if cstats else 0,
-            "prefix_cache_query_tokens": cstats.query_tokens if cstats else 0,
-            **self._counters,
-        }
+        return {**engine_stats(self.engine, "both"), **self._counters}
 
     def info(self) -> dict[str, Any]:
         cfg = self.engine.config
