@@ -14,6 +14,7 @@ import zmq
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.backend import TransferBackend
 from kvtransfer.compat import compat_hash, sign
+from kvtransfer.endpoint import bind_router
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,7 @@ class DecodeKVPlane:
         self.handshake_timeout_s = handshake_timeout_s
         self._ctx = zmq.Context.instance()
         # Bound only to claim a unique, reachable name on the KV plane.
-        self._own = self._ctx.socket(zmq.ROUTER)
-        self._own.setsockopt(zmq.LINGER, 0)
-        if port == 0:
-            port = self._own.bind_to_random_port(f"tcp://{host}")
-        else:
-            self._own.bind(f"tcp://{host}:{port}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self._own, self.endpoint = bind_router(host, port)
         self._peers: dict[str, _Peer] = {}
         self._failed: list[tuple[str, PeerFailed]] = []
 

@@ -13,6 +13,7 @@ import zmq
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.backend import TransferBackend, TransferState
 from kvtransfer.compat import compat_hash, describe_mismatch, verify
+from kvtransfer.endpoint import bind_router
 from kvtransfer.layout import page_ranges
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,7 @@ class PrefillKVPlane:
         self.compat = compat
         self.cluster_token = cluster_token
         self.page_bytes = page_bytes
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port == 0:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self._sock.bind(f"tcp://{host}:{port}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self._sock, self.endpoint = bind_router(host, port)
         self._identity: dict[str, bytes] = {}
         """Handshaken decode engines: name -> ZMQ identity."""
         self._names: dict[bytes, str] = {}

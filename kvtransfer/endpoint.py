@@ -1,0 +1,16 @@
+"""Binding of the KV plane's ROUTER sockets."""
+
+from __future__ import annotations
+
+import zmq
+
+
+def bind_router(host: str, port: int) -> tuple[zmq.Socket, str]:
+    """A ROUTER bound at ``host:port`` (0 picks a free port) and its endpoint."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if port == 0:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    else:
+        sock.bind(f"tcp://{host}:{port}")
+    return sock, f"tcp://{host}:{port}"
