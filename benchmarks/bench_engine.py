@@ -13,7 +13,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_commit  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -41,15 +41,6 @@ def machine_info(device: str) -> dict:
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sync(device: str) -> None:

@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_commit  # noqa: E402
 from engine.config import DTYPES, ModelConfig  # noqa: E402
 from engine.kvcache.pool import KVPool, KVPoolConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -258,15 +258,6 @@ def machine_info(devices: list[str]) -> dict:
     except Exception:
         pass
     return info
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def print_table(rows: list[dict]) -> None:
