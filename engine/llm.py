@@ -20,6 +20,8 @@ class GenerationOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     text: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the most likely (token id, logprob) pairs when asked for."""
 
 
 class LLM:
@@ -77,6 +79,10 @@ class LLM:
                     o = outputs[r.rid]
                     o.token_ids.append(r.token_id)
                     o.logprobs.append(r.logprob)
+                    if r.top_logprobs is not None:
+                        if o.top_logprobs is None:
+                            o.top_logprobs = []
+                        o.top_logprobs.append(r.top_logprobs)
                     o.num_cached_tokens = r.num_cached_tokens
                     if r.finish_reason is not None:
                         o.finish_reason = r.finish_reason

@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail a request when its worker sends nothing for this long (default: 120)",
     )
     ap.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=3.0,
+        help="how long a request waits for a connection to the worker it was routed to "
+        "before it is sent to another worker (default: 3)",
+    )
+    ap.add_argument(
         "--health-interval-s",
         type=float,
         default=RouterConfig.health_interval_s,
@@ -160,12 +167,16 @@ def main(argv: list[str] | None = None) -> None:
             router=router_cfg,
             request_timeout_s=args.request_timeout_s,
             worker_timeout_s=args.worker_timeout_s,
+            connect_timeout_s=args.connect_timeout_s,
             max_body_bytes=args.max_body_bytes,
             max_prompt_tokens=args.max_prompt_tokens,
         )
         router = Router(router_cfg)
         state = GatewayState(
-            cfg, router, HealthChecker(router), Dispatcher(router, cfg.worker_timeout_s)
+            cfg,
+            router,
+            HealthChecker(router),
+            Dispatcher(router, cfg.worker_timeout_s, cfg.connect_timeout_s),
         )
         server = _Server(
             uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port, log_level=args.log_level)

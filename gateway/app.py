@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from engine.protocol import tokenizer_files
 from engine.protocol.client import WorkerError
 from engine.protocol.to_worker import SamplingSpec
-from engine.sampling_params import InvalidSamplingParams, SamplingParams
+from engine.sampling_params import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.metrics import GatewayMetrics
@@ -88,12 +88,17 @@ class _ClosingStreamingResponse(StreamingResponse):
                 await aclose()
 
 
+TopLogprobs = list[list[tuple[int, float]]] | None
+"""Per token, the most likely (token id, logprob) pairs (None: not asked for)."""
+
+
 class ChoiceEvent(NamedTuple):
     text: str
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
     cached_tokens: int
+    top_logprobs: TopLogprobs = None
 
 
 @dataclass
@@ -125,7 +130,10 @@ class GatewayState:
 
 
 def _sampling(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, seed: int | None
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    seed: int | None,
+    top_logprobs: int,
 ) -> SamplingSpec:
     try:
         params = SamplingParams(
@@ -137,6 +145,7 @@ def _sampling(
             seed=seed,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            top_logprobs=top_logprobs,
         )
     except InvalidSamplingParams as e:
         raise APIError(400, str(e), param=e.param) from None
@@ -149,7 +158,25 @@ def _sampling(
         seed=params.seed,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        top_logprobs=params.top_logprobs,
     )
+
+
+def _num_top_logprobs(req: ChatCompletionRequest | CompletionRequest, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list (None: no logprobs)."""
+    if chat:
+        k = req.top_logprobs  # type: ignore[union-attr]
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise APIError(
+                400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
+            )
+        if k and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (k or 0) if req.logprobs else None
+    k = req.logprobs  # type: ignore[assignment]
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    return k
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -216,13 +243,23 @@ async def _choice(
                 text, hit = matcher.push(text)
                 if hit:
                     yield ChoiceEvent(
-                        text, delta.token_ids, delta.logprobs, "stop", delta.num_cached_tokens
+                        text,
+                        delta.token_ids,
+                        delta.logprobs,
+                        "stop",
+                        delta.num_cached_tokens,
+                        delta.top_logprobs,
                     )
                     return  # leaving the stream aborts the request on the workers
                 if finish is not None:
                     text += matcher.flush()
             yield ChoiceEvent(
-                text, delta.token_ids, delta.logprobs, finish, delta.num_cached_tokens
+                text,
+                delta.token_ids,
+                delta.logprobs,
+                finish,
+                delta.num_cached_tokens,
+                delta.top_logprobs,
             )
             if finish is not None:
                 return
@@ -291,6 +328,7 @@ def build_app(state: GatewayState) -> FastAPI:
             for url in urls:
                 await state.health.add_worker(url, role)
         await state.load_model_facts()
+        state.health.after_round.append(state.dispatcher.prune)
         await state.health.start()
         try:
             yield
@@ -378,6 +416,7 @@ def build_app(state: GatewayState) -> FastAPI:
         w = await state.health.remove_worker(url)
         if w is None:
             raise APIError(404, f"no worker {url}", param="url", code="not_found")
+        await state.dispatcher.prune()
         return {"removed": url, "draining": True}
 
     def check_model(name: str) -> None:
@@ -433,10 +472,7 @@ def build_app(state: GatewayState) -> FastAPI:
     ) -> Response:
         if not 1 <= req.n <= 16:
             raise APIError(400, "n must be between 1 and 16", param="n")
-        if chat and req.top_logprobs:  # type: ignore[union-attr]
-            raise APIError(400, "top_logprobs is not supported yet", param="top_logprobs")
-        if not chat and req.logprobs and req.logprobs > 1:  # type: ignore[union-attr]
-            raise APIError(400, "logprobs above 1 are not supported yet", param="logprobs")
+        top_k = _num_top_logprobs(req, chat)
         stops = _stops(req.stop)
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
         jobs = []
@@ -445,21 +481,24 @@ def build_app(state: GatewayState) -> FastAPI:
             for i in range(req.n):
                 # n > 1 with a seed: distinct but reproducible streams per choice.
                 seed = None if req.seed is None else (req.seed + i) % (1 << 63)
-                jobs.append((p_index, ids, _sampling(req, max_tokens, seed)))
+                jobs.append((p_index, ids, _sampling(req, max_tokens, seed, top_k or 0)))
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         gens = [_choice(state, ids, spec, stops) for _, ids, spec in jobs]
         timeout = cfg.request_timeout_s
         started = time.monotonic()
         state.metrics.requests.inc("chat" if chat else "completions")
+        view = _View(state, chat, top_k)
         if req.stream:
             return _ClosingStreamingResponse(
-                _sse(state, req, rid, chat, prompts, jobs, gens, timeout, started),
+                _sse(state, req, view, rid, prompts, jobs, gens, timeout, started),
                 media_type="text/event-stream",
             )
+        timing = _Timing(state.metrics, len(jobs), started)
         try:
             async with asyncio.timeout(timeout):
                 results = [[] for _ in jobs]
                 async for i, ev in _merge_choices(gens):
+                    timing.observe(i, ev)
                     results[i].append(ev)
         except TimeoutError:
             raise APIError(
@@ -469,7 +508,7 @@ def build_app(state: GatewayState) -> FastAPI:
                 code="timeout",
             ) from None
         state.metrics.e2e.observe(time.monotonic() - started)
-        return JSONResponse(_full_response(state, req, rid, chat, prompts, jobs, results))
+        return JSONResponse(_full_response(state, req, view, rid, prompts, jobs, results))
 
     return app
 
@@ -487,39 +526,87 @@ def _usage(
     }
 
 
-def _chat_logprobs(state: GatewayState, ids: list[int], lps: list[float]) -> dict[str, Any]:
-    assert state.tokenizer is not None
-    content = []
-    for t, lp in zip(ids, lps):
-        tok = state.tokenizer.decode([t])
-        content.append(
-            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-        )
-    return {"content": content}
+class _View:
+    """Formats a choice's tokens for the response: logprobs in the chat or the
+    completions shape, with ``top_k`` alternatives per token (None: none)."""
+
+    def __init__(self, state: GatewayState, chat: bool, top_k: int | None) -> None:
+        assert state.tokenizer is not None
+        self.tokenizer = state.tokenizer
+        self.chat = chat
+        self.top_k = top_k
+
+    def logprobs(
+        self, ids: list[int], lps: list[float], tops: TopLogprobs, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """``offset``: where the first token starts in the choice's text
+        (completions' ``text_offset``)."""
+        if self.top_k is None:
+            return None
+        alts = tops if tops is not None and self.top_k else [[] for _ in ids]
+        if self.chat:
+            return {
+                "content": [
+                    {**self._entry(t, lp), "top_logprobs": [self._entry(a, b) for a, b in top]}
+                    for t, lp, top in zip(ids, lps, alts)
+                ]
+            }
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        top_dicts = []
+        for tok, lp, top in zip(tokens, lps, alts):
+            d = {self.tokenizer.decode([a]): b for a, b in top}
+            d.setdefault(tok, lp)  # the chosen token is always listed
+            top_dicts.append(d)
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": top_dicts,
+            "text_offset": offsets,
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": self.tokenizer.decode([token_id]),
+            "logprob": logprob,
+            "bytes": list(self.tokenizer.token_bytes(token_id)),
+        }
 
 
-def _completion_logprobs(
-    state: GatewayState, ids: list[int], lps: list[float], offset: int
-) -> dict[str, Any]:
-    assert state.tokenizer is not None
-    tokens = [state.tokenizer.decode([t]) for t in ids]
-    offsets, pos = [], offset
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
-    return {
-        "tokens": tokens,
-        "token_logprobs": lps,
-        "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)],
-        "text_offset": offsets,
-    }
+class _Timing:
+    """TTFT and ITL of each choice of a request, into the gateway's histograms."""
+
+    def __init__(self, metrics: GatewayMetrics, n: int, started: float) -> None:
+        self.metrics = metrics
+        self.started = started
+        self.last: list[float | None] = [None] * n
+
+    def observe(self, i: int, ev: ChoiceEvent) -> None:
+        if not ev.token_ids:
+            return
+        t = time.monotonic()
+        last = self.last[i]
+        if last is None:
+            self.metrics.ttft.observe(t - self.started)
+        else:
+            self.metrics.itl.observe(t - last)
+        self.last[i] = t
+
+
+def _tops(events: list[ChoiceEvent]) -> TopLogprobs:
+    if all(e.top_logprobs is None for e in events):
+        return None
+    return [t for e in events for t in (e.top_logprobs or [[] for _ in e.token_ids])]
 
 
 def _full_response(
     state: GatewayState,
     req: Any,
+    view: _View,
     rid: str,
-    chat: bool,
     prompts: list[list[int]],
     jobs: list,
     results: list[list[ChoiceEvent]],
@@ -530,16 +617,17 @@ def _full_response(
         text = "".join(e.text for e in events)
         toks = [t for e in events for t in e.token_ids]
         lps = [x for e in events for x in e.logprobs]
+        tops = _tops(events)
         finish = events[-1].finish_reason if events else "stop"
         counts.append(len(toks))
         cached.append(
             max((e.cached_tokens for e in events), default=0) if index % req.n == 0 else 0
         )
-        if chat:
+        if view.chat:
             choice: dict[str, Any] = {
                 "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": _chat_logprobs(state, toks, lps) if req.logprobs else None,
+                "logprobs": view.logprobs(toks, lps, tops),
                 "finish_reason": finish,
             }
         else:
@@ -547,9 +635,7 @@ def _full_response(
             choice = {
                 "index": index,
                 "text": prefix + text,
-                "logprobs": _completion_logprobs(state, toks, lps, len(prefix))
-                if req.logprobs
-                else None,
+                "logprobs": view.logprobs(toks, lps, tops, len(prefix)),
                 "finish_reason": finish,
             }
         if req.return_token_ids:
@@ -557,7 +643,7 @@ def _full_response(
         choices.append(choice)
     body: dict[str, Any] = {
         "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
+        "object": "chat.completion" if view.chat else "text_completion",
         "created": now(),
         "model": state.model_name,
         "choices": choices,
@@ -571,14 +657,15 @@ def _full_response(
 async def _sse(
     state: GatewayState,
     req: Any,
+    view: _View,
     rid: str,
-    chat: bool,
     prompts: list[list[int]],
     jobs: list,
     gens: list[AsyncIterator[ChoiceEvent]],
     timeout: float,
     started: float,
 ) -> AsyncIterator[str]:
+    chat = view.chat
     created = now()
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -600,14 +687,14 @@ async def _sse(
 
     counts = [0] * len(jobs)
     cached = [0] * len(jobs)
-    first_seen = [False] * len(jobs)
-    last_at = [0.0] * len(jobs)
+    timing = _Timing(state.metrics, len(jobs), started)
+    text_offset = [0] * len(jobs)
+    """Where each choice's next token starts in its text (echo included)."""
     # Invariant: a choice's streamed token_ids (and logprobs) add up to all of
     # its tokens. A token whose text is still held back (half a UTF-8
     # character, a possible stop-string prefix) sends no chunk of its own, so
     # its ids and logprobs ride on the choice's next chunk instead of being lost.
-    held_ids: list[list[int]] = [[] for _ in jobs]
-    held_lps: list[list[float]] = [[] for _ in jobs]
+    held: list[list[ChoiceEvent]] = [[] for _ in jobs]
     prompt_sent = [False] * len(jobs)
     if chat:
         for i in range(len(jobs)):
@@ -623,11 +710,13 @@ async def _sse(
             )
     elif req.echo:
         for i, (_p, ids, _s) in enumerate(jobs):
+            echoed = state.tokenizer.decode(ids)
+            text_offset[i] = len(echoed)
             yield chunk(
                 [
                     {
                         "index": i,
-                        "text": state.tokenizer.decode(ids),
+                        "text": echoed,
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -638,38 +727,32 @@ async def _sse(
         # merge at once, which cancels the choices and aborts their requests.
         async with asyncio.timeout(timeout), contextlib.aclosing(_merge_choices(gens)) as merged:
             async for i, ev in merged:
-                t = time.monotonic()
-                if ev.token_ids:
-                    if not first_seen[i]:
-                        state.metrics.ttft.observe(t - started)
-                        first_seen[i] = True
-                    else:
-                        state.metrics.itl.observe(t - last_at[i])
-                    last_at[i] = t
+                timing.observe(i, ev)
                 counts[i] += len(ev.token_ids)
                 if i % req.n == 0:
                     cached[i] = max(cached[i], ev.cached_tokens)
                 if not ev.text and ev.finish_reason is None:
-                    held_ids[i] += ev.token_ids
-                    held_lps[i] += ev.logprobs
+                    held[i].append(ev)
                     continue
-                ids, lps = held_ids[i] + ev.token_ids, held_lps[i] + ev.logprobs
-                held_ids[i], held_lps[i] = [], []
+                events, held[i] = [*held[i], ev], []
+                ids = [t for e in events for t in e.token_ids]
+                lps = [x for e in events for x in e.logprobs]
+                logprobs = view.logprobs(ids, lps, _tops(events), text_offset[i])
+                if logprobs is not None and not chat:
+                    text_offset[i] += sum(len(t) for t in logprobs["tokens"])
                 if chat:
                     delta = {"content": ev.text} if ev.text else {}
                     c: dict[str, Any] = {
                         "index": i,
                         "delta": delta,
-                        "logprobs": _chat_logprobs(state, ids, lps) if req.logprobs else None,
+                        "logprobs": logprobs,
                         "finish_reason": ev.finish_reason,
                     }
                 else:
                     c = {
                         "index": i,
                         "text": ev.text,
-                        "logprobs": _completion_logprobs(state, ids, lps, 0)
-                        if req.logprobs
-                        else None,
+                        "logprobs": logprobs,
                         "finish_reason": ev.finish_reason,
                     }
                 if req.return_token_ids:

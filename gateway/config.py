@@ -23,12 +23,15 @@ class GatewayConfig:
     """Every request ends within this, streaming or not."""
     worker_timeout_s: float = 120.0
     """A worker that sends nothing for a request this long fails it."""
+    connect_timeout_s: float = 3.0
+    """A request waits this long for a connection to its worker before it goes
+    to another worker."""
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None
     """None: only the model's context window limits prompts."""
 
     def __post_init__(self) -> None:
-        if self.request_timeout_s <= 0 or self.worker_timeout_s <= 0:
+        if min(self.request_timeout_s, self.worker_timeout_s, self.connect_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")

@@ -5,13 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator
 
-from engine.protocol.client import WorkerClient, WorkerError
+import zmq
+
+from engine.protocol.client import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    WorkerClient,
+    WorkerClientClosed,
+    WorkerDisconnected,
+    WorkerError,
+    WorkerUnreachable,
+)
 from engine.protocol.to_gateway import TokenDelta
 from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
 from gateway.router import Router, WorkerInfo
+
+log = logging.getLogger("gateway.dispatch")
 
 PREFILL_DONE = "prefill_done"
 """Finish reason of prefill's single delta when decoding continues elsewhere."""
@@ -21,77 +33,189 @@ class NoWorkerAvailable(RuntimeError):
     """No healthy worker can take the request (HTTP 503)."""
 
 
+class _NotDispatched(Exception):
+    """``worker`` failed before the request produced anything: it could not be
+    handed over, or the connection dropped before the first delta. Safe to send
+    the request to another worker."""
+
+    def __init__(self, worker: WorkerInfo, cause: BaseException) -> None:
+        super().__init__(f"{worker.url}: {cause}")
+        self.worker, self.cause = worker, cause
+
+    def error(self) -> WorkerError:
+        """What the caller sees when no other worker is left to try."""
+        if isinstance(self.cause, WorkerError):
+            return self.cause
+        return WorkerError(f"worker {self.worker.url} cannot take requests: {self.cause}")
+
+
 class Dispatcher:
-    def __init__(self, router: Router, timeout_s: float) -> None:
+    def __init__(
+        self,
+        router: Router,
+        timeout_s: float,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        max_attempts: int = 3,
+    ) -> None:
         self.router = router
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_attempts = max_attempts
+        """Workers tried for one request when they fail before it is dispatched."""
         self._clients: dict[str, WorkerClient] = {}
 
     async def _client(self, worker: WorkerInfo) -> WorkerClient:
         endpoint = worker.request_endpoint
         if endpoint is None:
-            raise NoWorkerAvailable(f"worker {worker.url} has no request endpoint yet")
+            raise _NotDispatched(worker, RuntimeError("no request endpoint yet"))
         client = self._clients.get(endpoint)
         if client is None:
-            client = WorkerClient(endpoint, timeout_s=self.timeout_s)
-            await client.start()
+            client = WorkerClient(
+                endpoint, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s
+            )
+            try:
+                await client.start()
+            except (zmq.ZMQError, WorkerError) as e:
+                raise _NotDispatched(worker, e) from e
             self._clients[endpoint] = client
         return client
+
+    async def prune(self) -> None:
+        """Close the clients of workers that left (removed, restarted on another
+        endpoint) or are unhealthy, once nothing is in flight on them. A worker
+        that comes back gets a new client on its next request."""
+        live = {
+            w.request_endpoint for w in self.router.workers() if w.healthy and w.request_endpoint
+        }
+        for endpoint, client in list(self._clients.items()):
+            if endpoint not in live and client.in_flight == 0:
+                del self._clients[endpoint]
+                await client.close()
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Request endpoints this dispatcher holds a client for."""
+        return list(self._clients)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             await c.close()
 
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec) -> AsyncIterator[TokenDelta]:
-        """Yield the request's deltas; the last one has ``finish_reason`` set
-        ("stop", "length", "abort" or "error" with ``error``). Leaving the
-        iterator early aborts the request on every worker that has it."""
-        rid = secrets.token_hex(16)
+    def _route(
+        self, prompt_ids: list[int], exclude: set[str]
+    ) -> tuple[WorkerInfo | None, WorkerInfo]:
         prefill = decode = None
-        if not self.router.should_skip_prefill(len(prompt_ids)):
-            prefill = self.router.pick_prefill(prompt_ids)
+        if not self.router.should_skip_prefill(len(prompt_ids), exclude):
+            prefill = self.router.pick_prefill(prompt_ids, exclude=exclude)
             if prefill is not None:
-                decode = self.router.pick_decode(prompt_ids, with_prefill=True)
+                decode = self.router.pick_decode(prompt_ids, with_prefill=True, exclude=exclude)
         if decode is None:
             # Conditional disaggregation: the decode worker prefills locally.
             prefill = None
-            decode = self.router.pick_decode(prompt_ids)
+            decode = self.router.pick_decode(prompt_ids, exclude=exclude)
         if decode is None:
             raise NoWorkerAvailable("no healthy decode worker")
+        return prefill, decode
+
+    async def stream(self, prompt_ids: list[int], spec: SamplingSpec) -> AsyncIterator[TokenDelta]:
+        """Yield the request's deltas; the last one has ``finish_reason`` set
+        ("stop", "length", "abort" or "error" with ``error``). Leaving the
+        iterator early aborts the request on every worker that has it.
+
+        A worker that fails before the request produced anything is left out
+        and the request goes to another one (up to ``max_attempts`` workers);
+        once a delta is out, a failure ends the request."""
+        tried: set[str] = set()
+        last: _NotDispatched | None = None
+        while True:
+            try:
+                prefill, decode = self._route(prompt_ids, tried)
+            except NoWorkerAvailable:
+                if last is None:
+                    raise
+                raise last.error() from None
+            started = False
+            try:
+                async for delta in self._attempt(prompt_ids, spec, prefill, decode):
+                    started = True
+                    yield delta
+                return
+            except _NotDispatched as e:
+                if started:  # prefill's token is out: the request cannot move
+                    raise e.error() from None
+                tried.add(e.worker.url)
+                last = e
+                if len(tried) >= self.max_attempts:
+                    raise e.error() from None
+                log.warning("retrying on another worker: %s", e)
+
+    async def _attempt(
+        self,
+        prompt_ids: list[int],
+        spec: SamplingSpec,
+        prefill: WorkerInfo | None,
+        decode: WorkerInfo,
+    ) -> AsyncIterator[TokenDelta]:
+        rid = secrets.token_hex(16)
         load = len(prompt_ids) + spec.max_tokens
         self.router.begin(decode, load)
         if prefill is not None:
             self.router.begin(prefill, len(prompt_ids))
-        ok_d = ok_p = False
+        failed: list[WorkerInfo] = []
         # aclosing: leaving this iterator early closes the worker streams now
         # (which aborts the request on the workers), not when the inner
         # generators happen to be garbage-collected.
         try:
             if prefill is None:
-                gen = (await self._client(decode)).generate(Generate(rid, prompt_ids, spec))
+                client = await self._client(decode)
+                gen = _watch(client.generate(Generate(rid, prompt_ids, spec)), decode, failed)
                 async with contextlib.aclosing(gen):  # type: ignore[type-var]
                     async for delta in gen:
-                        ok_d = delta.finish_reason != "error"
                         yield delta
                 return
             room = secrets.token_hex(16)
             dclient, pclient = await self._client(decode), await self._client(prefill)
+            p_msg = Prefill(rid, prompt_ids, spec, room, decode.bootstrap_endpoint)
+            d_msg = Generate(rid, prompt_ids, spec, room, prefill.bootstrap_endpoint)
             merged = _merge(
-                pclient.generate(Prefill(rid, prompt_ids, spec, room, decode.bootstrap_endpoint)),
-                dclient.generate(Generate(rid, prompt_ids, spec, room, prefill.bootstrap_endpoint)),
+                _watch(pclient.generate(p_msg), prefill, failed),
+                _watch(dclient.generate(d_msg), decode, failed),
             )
             async with contextlib.aclosing(merged):
-                async for delta, source in merged:
-                    if source == "prefill":
-                        ok_p = delta.finish_reason != "error"
-                    else:
-                        ok_d = delta.finish_reason != "error"
+                async for delta, _source in merged:
                     yield delta
+        except _NotDispatched as e:
+            failed.append(e.worker)  # could not be handed over (no endpoint, no client)
+            raise
         finally:
-            self.router.end(decode, load, ok_d)
+            # Only a worker that failed counts against its breaker; a client
+            # leaving early is nobody's fault.
+            self.router.end(decode, load, decode not in failed)
             if prefill is not None:
-                self.router.end(prefill, len(prompt_ids), ok_p)
+                self.router.end(prefill, len(prompt_ids), prefill not in failed)
+
+
+async def _watch(
+    gen: AsyncIterator[TokenDelta], worker: WorkerInfo, failed: list[WorkerInfo]
+) -> AsyncIterator[TokenDelta]:
+    """``gen``, noting in ``failed`` whether ``worker`` failed the request; a
+    lost connection before the first delta is raised as ``_NotDispatched``
+    (the worker produced nothing, so another may take the request)."""
+    first = True
+    try:
+        async for delta in gen:
+            first = False
+            if delta.finish_reason == "error":
+                failed.append(worker)
+            yield delta
+    except WorkerError as e:
+        failed.append(worker)
+        if first and isinstance(e, (WorkerUnreachable, WorkerDisconnected, WorkerClientClosed)):
+            raise _NotDispatched(worker, e) from e
+        raise
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
 
 
 async def _merge(
@@ -118,14 +242,21 @@ async def _merge(
             yield p_delta, "prefill"
             if final:
                 # Decode learns of it with Done and ends with no tokens.
-                with contextlib.suppress(WorkerError, asyncio.TimeoutError, StopAsyncIteration):
+                with contextlib.suppress(
+                    WorkerError, _NotDispatched, asyncio.TimeoutError, StopAsyncIteration
+                ):
                     d = await asyncio.wait_for(d_task, 30)
                     while d.finish_reason is None:
                         d = await asyncio.wait_for(_next(d_gen), 30)
             return
         yield (
             TokenDelta(
-                p_delta.rid, p_delta.token_ids, p_delta.logprobs, None, p_delta.num_cached_tokens
+                p_delta.rid,
+                p_delta.token_ids,
+                p_delta.logprobs,
+                None,
+                p_delta.num_cached_tokens,
+                top_logprobs=p_delta.top_logprobs,
             ),
             "prefill",
         )

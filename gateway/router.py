@@ -28,7 +28,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -649,35 +649,49 @@ class Router:
     def is_available(worker: WorkerInfo) -> bool:
         return worker.healthy and not worker.draining and worker.breaker.allows()
 
-    def available_prefill(self) -> list[WorkerInfo]:
-        return [w for w in self.prefill.list() if self.is_available(w)]
+    def available_prefill(self, exclude: Collection[str] = ()) -> list[WorkerInfo]:
+        """Available prefill workers, leaving out the URLs in ``exclude``."""
+        return [w for w in self.prefill.list() if self.is_available(w) and w.url not in exclude]
 
-    def available_decode(self, *, with_prefill: bool = False) -> list[WorkerInfo]:
+    def available_decode(
+        self, *, with_prefill: bool = False, exclude: Collection[str] = ()
+    ) -> list[WorkerInfo]:
         """Available decode-pool workers; with ``with_prefill`` only those that
         take KV from a prefill worker (role "decode")."""
         return [
             w
             for w in self.decode.list()
-            if self.is_available(w) and (not with_prefill or w.role == "decode")
+            if self.is_available(w)
+            and (not with_prefill or w.role == "decode")
+            and w.url not in exclude
         ]
 
-    def pick_prefill(self, token_ids: Sequence[int]) -> WorkerInfo | None:
-        return self.prefill_policy.pick(self.available_prefill(), token_ids)
+    def pick_prefill(
+        self, token_ids: Sequence[int], *, exclude: Collection[str] = ()
+    ) -> WorkerInfo | None:
+        return self.prefill_policy.pick(self.available_prefill(exclude), token_ids)
 
     def pick_decode(
-        self, token_ids: Sequence[int], *, with_prefill: bool = False
+        self,
+        token_ids: Sequence[int],
+        *,
+        with_prefill: bool = False,
+        exclude: Collection[str] = (),
     ) -> WorkerInfo | None:
         """A decode worker; ``with_prefill=True`` when a prefill worker will send
         it the prompt's KV (excludes role "both")."""
-        return self.decode_policy.pick(self.available_decode(with_prefill=with_prefill), token_ids)
+        candidates = self.available_decode(with_prefill=with_prefill, exclude=exclude)
+        return self.decode_policy.pick(candidates, token_ids)
 
-    def should_skip_prefill(self, prompt_len: int) -> bool:
+    def should_skip_prefill(self, prompt_len: int, exclude: Collection[str] = ()) -> bool:
         """Whether to send the request straight to a decode worker, which then
         prefills it: short prompts (``skip_prefill_threshold``), or no prefill
         worker (or no KV-receiving decode worker) while some decode-pool worker
         is available."""
-        if not self.available_prefill() or not self.available_decode(with_prefill=True):
-            return bool(self.available_decode())
+        if not self.available_prefill(exclude) or not self.available_decode(
+            with_prefill=True, exclude=exclude
+        ):
+            return bool(self.available_decode(exclude=exclude))
         threshold = self.config.skip_prefill_threshold
         return threshold > 0 and prompt_len <= threshold
 
@@ -749,6 +763,9 @@ class HealthChecker:
         self._owns_client = client is None
         self._transport = transport
         self._task: asyncio.Task[None] | None = None
+        self.after_round: list[Callable[[], Awaitable[None]]] = []
+        """Called after every round of checks (e.g. to close clients of workers
+        that left)."""
 
     @property
     def running(self) -> bool:
@@ -853,6 +870,8 @@ class HealthChecker:
         while True:
             try:
                 await self.check_all()
+                for hook in self.after_round:
+                    await hook()
             except Exception:  # never let one bad round end the loop
                 log.exception("health check round failed")
             next_at += interval

@@ -135,6 +135,22 @@ def _decoder_has(decoder_cfg: Any, kind: str) -> bool:
 _BYTE_TOKEN_RE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet (GPT-2's): printable
+    bytes stand for themselves, the other 68 are shifted to U+0100 and up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out = {chr(b): b for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in keep:
+            out[chr(256 + shifted)] = b
+            shifted += 1
+    return out
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+
+
 # --------------------------------------------------------------------------------------------
 # Chat template environment
 # --------------------------------------------------------------------------------------------
@@ -391,6 +407,8 @@ class Tokenizer:
             self._byte_fallback_ids = frozenset(
                 i for t, i in vocab.items() if len(t) == 6 and _BYTE_TOKEN_RE.fullmatch(t)
             )
+        self._byte_level = _decoder_has(decoder_cfg, "ByteLevel")
+        self._added_ids: frozenset[int] | None = None
         self._special_ids: frozenset[int] = frozenset(
             i for i, t in self._backend.get_added_tokens_decoder().items() if t.special
         )
@@ -499,6 +517,24 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (part of a UTF-8 character for some
+        tokens, which is why the OpenAI API reports them as bytes)."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._byte_fallback_ids:
+            return bytes([int(piece[3:5], 16)])
+        if self._added_ids is None:
+            self._added_ids = frozenset(self._backend.get_added_tokens_decoder())
+        if (
+            self._byte_level
+            and token_id not in self._added_ids
+            and all(c in _UNICODE_TO_BYTE for c in piece)
+        ):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.decode([token_id]).encode()
 
     # ---- chat templates --------------------------------------------------------------------
 

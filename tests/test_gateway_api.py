@@ -266,12 +266,21 @@ class Offline:
         return self.llm.tokenizer.decode(ids, skip_special_tokens=True)
 
     def greedy(
-        self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        ignore_eos: bool = False,
+        top_logprobs: int = 0,
     ) -> list[GenerationOutput]:
-        keys = [(tuple(p), max_tokens, ignore_eos) for p in prompts]
+        keys = [(tuple(p), max_tokens, ignore_eos, top_logprobs) for p in prompts]
         todo = [k for k in dict.fromkeys(keys) if k not in self._cache]
         if todo:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0,
+                ignore_eos=ignore_eos,
+                top_logprobs=top_logprobs,
+            )
             outs = self.llm.generate([list(k[0]) for k in todo], params)
             self._cache.update(zip(todo, outs))
         return [self._cache[k] for k in keys]
@@ -466,6 +475,100 @@ def test_chat_greedy_match_offline(gw: Gateway, offline: Offline) -> None:
         model=MODEL, messages=messages, max_completion_tokens=3, temperature=0
     )
     assert resp.usage.completion_tokens <= 3
+    assert_drained(gw)
+
+
+def _assert_top_close(
+    got: list[list[tuple[str, float]]], want: list[list[tuple[int, float]]], offline: Offline
+) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert [t for t, _ in g] == [offline.decode([t]) for t, _ in w], f"token {i}"
+        assert_logprobs_close([lp for _, lp in g], [lp for _, lp in w])
+
+
+def test_top_logprobs_match_offline(gw: Gateway, offline: Offline) -> None:
+    """Chat top_logprobs and completions logprobs=N carry the offline engine's
+    N most likely tokens per position, streamed or not; completions'
+    text_offset runs on across streamed chunks."""
+    client = gw.client()
+    k, max_tokens = 3, 12
+    messages = [{"role": "user", "content": "Name three colours."}]
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=k,
+        extra_body={"return_token_ids": True},
+    )
+    prompt_ids = extra(resp, "prompt_token_ids")
+    (want,) = offline.greedy([prompt_ids], max_tokens, top_logprobs=k)
+    assert want.top_logprobs is not None
+    content = resp.choices[0].logprobs.content
+    assert [len(t.top_logprobs) for t in content] == [k] * len(want.token_ids)
+    _assert_top_close(
+        [[(a.token, a.logprob) for a in t.top_logprobs] for t in content],
+        want.top_logprobs,
+        offline,
+    )
+    # Greedy: the chosen token is the most likely one; bytes add up to the text.
+    assert all(t.top_logprobs[0].token == t.token for t in content)
+    special = set(offline.llm.tokenizer.all_special_ids)
+    raw = b"".join(bytes(t.bytes) for t, i in zip(content, want.token_ids) if i not in special)
+    assert raw.decode(errors="replace") == resp.choices[0].message.content
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=k,
+        stream=True,
+    )
+    streamed = [
+        t
+        for ch in stream
+        if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert [len(t.top_logprobs) for t in streamed] == [k] * len(content)
+
+    prompt = PROMPTS[1]
+    ids = offline.encode(prompt)
+    (want,) = offline.greedy([ids], max_tokens, top_logprobs=k)
+    for stream in (False, True):
+        kw: dict[str, Any] = {"stream": True} if stream else {}
+        out = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=k,
+            echo=True,
+            **kw,
+        )
+        chunks = list(out) if stream else [out]
+        text = "".join(ch.choices[0].text for ch in chunks)
+        lps = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs is not None]
+        tokens = [t for lp in lps for t in lp.tokens]
+        offsets = [o for lp in lps for o in lp.text_offset]
+        tops = [d for lp in lps for d in lp.top_logprobs]
+        assert text == prompt + offline.decode(want.token_ids), stream
+        assert tokens == [offline.decode([t]) for t in want.token_ids]
+        # Offsets index the whole text (echoed prompt included), chunk after chunk.
+        assert offsets[0] == len(prompt)
+        assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], tokens))
+        assert all(text[o : o + len(t)] == t for o, t in zip(offsets, tokens))
+        assert len(tops) == len(want.token_ids)
+        for i, (got_top, want_top) in enumerate(zip(tops, want.top_logprobs)):
+            # Keyed by text, as the API has it (ids with the same text collapse).
+            expected = {offline.decode([t]): lp for t, lp in want_top}
+            assert got_top.keys() == expected.keys(), f"token {i}"
+            assert_logprobs_close([got_top[t] for t in expected], list(expected.values()))
     assert_drained(gw)
 
 
@@ -756,6 +859,9 @@ class _EndlessDispatcher:
         finally:
             self.open -= 1
 
+    async def prune(self) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 
@@ -859,6 +965,14 @@ def test_models_health_metrics(gw: Gateway) -> None:
         )
 
     ttft0, itl0 = counts()
+    # Non-streamed requests count too: TTFT and ITL as the gateway saw the tokens.
+    gw.client().completions.create(
+        model=MODEL, prompt="Hi", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    ttft1, itl1 = counts()
+    assert ttft1 == ttft0 + 1
+    assert itl1 >= itl0 + 3
+    ttft0, itl0 = ttft1, itl1
     stream = gw.client().chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],
@@ -930,17 +1044,17 @@ def test_request_guards(gw: Gateway, offline: Offline) -> None:
     resp = client.completions.create(model=MODEL, prompt=long_ids[:-1], max_tokens=1)
     assert resp.usage.prompt_tokens == MAX_PROMPT_TOKENS
 
-    # Not implemented yet: top_logprobs (chat) and logprobs > 1 (completions).
-    e = bad(
-        openai.BadRequestError,
-        messages=[{"role": "user", "content": "Hello"}],
-        max_tokens=1,
-        logprobs=True,
-        top_logprobs=2,
-    )
-    assert e.param == "top_logprobs"
-    e = bad(openai.BadRequestError, prompt="Hello", max_tokens=1, logprobs=3)
-    assert e.param == "logprobs"
+    # top_logprobs needs logprobs, and both stay within [0, 20].
+    for kw in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        e = bad(
+            openai.BadRequestError,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=1,
+            **kw,
+        )
+        assert e.param == "top_logprobs", kw
+    e = bad(openai.BadRequestError, prompt="Hello", max_tokens=1, logprobs=21)
+    assert e.param == "logprobs" and "20" in e.message
 
     # Token ids outside the vocabulary.
     e = bad(openai.BadRequestError, prompt=[1, 2, 10**6], max_tokens=1)
@@ -1068,6 +1182,11 @@ def test_killed_worker_leaves_pool(gw: Gateway, offline: Offline, extra_decode: 
         _burst(gw, offline, 4, "before-kill")
         assert_drained(gw)
         extra_decode.kill()  # SIGKILL, front and engine at once
+        # Before the health checker can notice, requests routed to the dead
+        # worker find no connection and go to the live one.
+        before = _transfers(gw.decode)
+        _burst(gw, offline, 8, "at-kill")
+        assert _transfers(gw.decode) == before + 8
         deadline = time.monotonic() + 10 * HEALTH_INTERVAL_S + 5
         while gw.gateway_workers()[extra_decode.url]["healthy"]:
             assert time.monotonic() < deadline, "the health checker never noticed the dead worker"

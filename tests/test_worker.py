@@ -40,6 +40,7 @@ from engine.protocol.client import (
     WorkerClientClosed,
     WorkerDisconnected,
     WorkerTimeout,
+    WorkerUnreachable,
 )
 from engine.protocol.to_gateway import TokenDelta
 from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
@@ -449,11 +450,36 @@ def test_malformed_frames_are_ignored_or_answered(worker: Worker) -> None:
 
 
 def test_client_timeout_when_nobody_answers() -> None:
+    """Connected to a peer that never answers: the request times out."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
     async def go() -> None:
-        async with WorkerClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3) as client:
+        async with WorkerClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3) as client:
             with pytest.raises(WorkerTimeout):
                 await collect(client, Generate("t-1", [3], greedy(2)))
             assert client.in_flight == 0
+
+    try:
+        run(go())
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_client_unreachable_when_nobody_listens() -> None:
+    """No connection: the request is refused before it is sent, within the
+    connect timeout (a caller may send it elsewhere)."""
+
+    async def go() -> None:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        async with WorkerClient(endpoint, timeout_s=30, connect_timeout_s=0.3) as client:
+            t0 = time.monotonic()
+            with pytest.raises(WorkerUnreachable):
+                await collect(client, Generate("t-1", [3], greedy(2)))
+            assert time.monotonic() - t0 < 5
+            assert client.in_flight == 0 and not client.connected
 
     run(go())
 

@@ -6,6 +6,9 @@ request id; a background sender writes outgoing messages in order.
 
 Failure contract of ``generate``:
 
+- ``WorkerUnreachable`` is raised, before anything is sent, when there is
+  no connection to the worker and none comes up within ``connect_timeout_s``
+  (the request never reached a worker: safe to send elsewhere);
 - request-level failures (bad prompt, invalid sampling, duplicate id in the
   worker, worker shutting down) arrive as a final delta with
   ``finish_reason == "error"`` and ``error`` set;
@@ -39,6 +42,7 @@ from engine.protocol.to_worker import Abort, Generate, Prefill
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_CONNECT_TIMEOUT_S = 3.0
 
 
 class WorkerError(RuntimeError):
@@ -47,6 +51,10 @@ class WorkerError(RuntimeError):
 
 class WorkerTimeout(WorkerError, TimeoutError):
     """No delta arrived for the request within the client's ``timeout_s``."""
+
+
+class WorkerUnreachable(WorkerError, ConnectionError):
+    """No connection to the worker; the request was not sent."""
 
 
 class WorkerDisconnected(WorkerError, ConnectionError):
@@ -66,12 +74,15 @@ class WorkerClient:
         request_endpoint: str,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be > 0")
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("timeout_s and connect_timeout_s must be > 0")
         self.endpoint = request_endpoint
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._connected = asyncio.Event()
         self._ctx = context
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -92,7 +103,7 @@ class WorkerClient:
         sock.linger = 0
         sock.sndhwm = 0
         sock.rcvhwm = 0
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self._sock = sock
         self._tasks = [
@@ -107,6 +118,7 @@ class WorkerClient:
         if self._closed:
             return
         self._closed = True
+        self._connected.set()  # wakes requests waiting for a connection; they see _closed
         for rid in list(self._queues):
             self._post(Abort(rid))
         if self._sock is not None:
@@ -135,6 +147,10 @@ class WorkerClient:
         await self.close()
 
     @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
     def in_flight(self) -> int:
         return len(self._queues)
 
@@ -151,6 +167,19 @@ class WorkerClient:
         rid = msg.rid
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
+        if not self._connected.is_set():
+            # Invariant: a request is only handed to ZMQ while a connection is
+            # up. ZMQ would queue it for a peer that may never come back (a
+            # killed worker), and the caller could only learn that by timing out.
+            try:
+                async with asyncio.timeout(self.connect_timeout_s):
+                    await self._connected.wait()
+            except TimeoutError:
+                raise WorkerUnreachable(
+                    f"no connection to {self.endpoint} within {self.connect_timeout_s:g}s"
+                ) from None
+            if self._closed:
+                raise WorkerClientClosed("client is closed")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._queues[rid] = queue
         finished = False
@@ -236,7 +265,10 @@ class WorkerClient:
             except (zmq.ZMQError, ValueError, KeyError) as e:
                 log.warning("socket monitor of %s stopped: %s", self.endpoint, e)
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._connected.set()
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connected.clear()
                 log.warning("lost the connection to worker %s", self.endpoint)
                 self._fail_all(WorkerDisconnected(f"connection to {self.endpoint} dropped"))
 

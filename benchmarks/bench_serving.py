@@ -1,0 +1,900 @@
+"""Serving benchmark of any OpenAI-compatible endpoint (this gateway, vLLM, SGLang):
+TTFT, ITL, TPOT, end-to-end latency, throughput and goodput.
+
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 \\
+        --dataset-name random --random-input-len 1024 --random-output-len 128 \\
+        --num-prompts 200 --request-rate 8 --max-concurrency 64 --ignore-eos
+
+Flags and metric definitions follow vLLM's ``benchmark_serving`` / ``vllm bench
+serve`` and SGLang's ``bench_serving``, so numbers are comparable:
+
+- TTFT: from sending a request to its first chunk with non-empty text.
+- ITL: the gaps between consecutive non-empty chunks, pooled over all requests.
+- TPOT: (E2E latency - TTFT) / (output tokens - 1), per request with > 1 token.
+- E2EL: from sending a request to the end of its stream.
+- Throughputs divide by the duration from the first send to the last finish.
+- Goodput (``--slo``): requests per second that meet every given SLO.
+
+Token counts come from the server's final usage chunk (``stream_options:
+{"include_usage": true}``). Failed requests (non-200 status, an ``error``
+chunk, a broken stream) are counted in ``failed`` and left out of every other
+metric. One JSON line per run is appended to ``--output-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_commit  # noqa: E402
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "serving.jsonl"
+ENDPOINTS = {"openai-completions": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+BACKEND_ALIASES = {"openai": "openai-completions"}
+FIRST_TOKEN_ID = 10
+"""Random token-id prompts draw from [FIRST_TOKEN_ID, --vocab-size): low ids are
+special tokens in many vocabularies (the built-in tiny model's are 0-2)."""
+SLO_METRICS = ("ttft", "tpot", "e2el")
+STAT_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+# Filler for text prompts: one word is roughly one token for most tokenizers.
+_WORD_LIST = """
+time year people way day man thing woman life child world school state family
+student group country problem hand part place case week company system program
+question work government number night point home water room mother area money
+story fact month lot right study book eye job word business issue side kind head
+house service friend father power hour game line end member law car city community
+name president team minute idea kid body information back parent face others level
+office door health person art war history party result change morning reason
+research girl guy moment air teacher force education foot boy age policy music
+market sense nation plan college interest death experience effect use class control
+care field development role effort rate heart drug show leader light voice wife
+police mind price report decision son view relationship town road arm difference
+value building action model season society tax director position player record
+paper space ground form event official matter center couple site project activity
+star table need court oil situation cost industry figure street image phone data
+picture practice piece land product doctor wall patient worker news test movie north
+love support technology step baby computer type attention film tree source organization
+hair window evidence population truth song energy stone river garden bridge cloud
+"""
+WORDS = _WORD_LIST.split()
+
+
+# -- workload -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    prompt: str | list[int]
+    prompt_len: int
+    """Intended prompt length: tokens for token-id prompts, words for text
+    (only used when the server reports no usage)."""
+    output_len: int
+    """max_tokens of the request."""
+
+
+def prompt_kind(args: argparse.Namespace) -> str:
+    """token-ids or text; "auto" is token-ids for completions, text for chat."""
+    kind = args.random_prompt_kind
+    if kind == "auto":
+        return "text" if args.backend == "openai-chat" else "token-ids"
+    if kind == "token-ids" and args.backend == "openai-chat":
+        raise ValueError("token-id prompts need --backend openai-completions; use text prompts")
+    return kind
+
+
+def random_lengths(n: int, length: int, ratio: float, rng: random.Random) -> list[int]:
+    """n lengths uniform in [max(1, floor(length * ratio)), length] (SGLang's convention)."""
+    if length < 1 or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"need length >= 1 and 0 <= range ratio <= 1, got {length}, {ratio}")
+    low = max(1, math.floor(length * ratio))
+    return [rng.randint(low, length) for _ in range(n)]
+
+
+def random_prompt(kind: str, length: int, vocab_size: int, rng: random.Random) -> str | list[int]:
+    if kind == "text":
+        return " ".join(rng.choice(WORDS) for _ in range(length))
+    if vocab_size <= FIRST_TOKEN_ID:
+        raise ValueError(f"--vocab-size must be > {FIRST_TOKEN_ID}, got {vocab_size}")
+    return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length)]
+
+
+def join_prompts(a: str | list[int], b: str | list[int]) -> str | list[int]:
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a} {b}"
+    assert isinstance(a, list) and isinstance(b, list)
+    return a + b
+
+
+def sample_random(args: argparse.Namespace, rng: random.Random) -> list[RequestSpec]:
+    kind = prompt_kind(args)
+    n, ratio = args.num_prompts, args.random_range_ratio
+    ins = random_lengths(n, args.random_input_len, ratio, rng)
+    outs = random_lengths(n, args.random_output_len, ratio, rng)
+    return [
+        RequestSpec(random_prompt(kind, i, args.vocab_size, rng), i, o) for i, o in zip(ins, outs)
+    ]
+
+
+def sample_shared_prefix(args: argparse.Namespace, rng: random.Random) -> list[RequestSpec]:
+    kind = prompt_kind(args)
+    specs = []
+    for _ in range(args.gsp_num_groups):
+        system = random_prompt(kind, args.gsp_system_prompt_len, args.vocab_size, rng)
+        for _ in range(args.gsp_prompts_per_group):
+            question = random_prompt(kind, args.gsp_question_len, args.vocab_size, rng)
+            length = args.gsp_system_prompt_len + args.gsp_question_len
+            specs.append(RequestSpec(join_prompts(system, question), length, args.gsp_output_len))
+    # Interleave the groups, as real traffic would, instead of sending them in blocks.
+    rng.shuffle(specs)
+    return specs
+
+
+def sample_sharegpt(args: argparse.Namespace, rng: random.Random) -> list[RequestSpec]:
+    if args.dataset_path is None:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path FILE")
+    path = Path(args.dataset_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT file not found: {path} (--dataset-path)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    specs = []
+    for conv in data:
+        turns = conv.get("conversations") or conv.get("conversation") or []
+        pair = next(
+            (
+                (a["value"], b["value"])
+                for a, b in zip(turns, turns[1:])
+                if a.get("from") == "human" and b.get("from") == "gpt"
+            ),
+            None,
+        )
+        if pair is None or not pair[0].strip():
+            continue
+        prompt, reply = pair
+        out_len = args.sharegpt_output_len or max(1, len(reply.split()))
+        specs.append(RequestSpec(prompt, len(prompt.split()), out_len))
+    if not specs:
+        raise ValueError(f"{path} holds no conversation with a human turn followed by a gpt turn")
+    rng.shuffle(specs)
+    if len(specs) < args.num_prompts:
+        print(f"warning: {path} has only {len(specs)} usable conversations", file=sys.stderr)
+    return specs[: args.num_prompts]
+
+
+def sample_requests(args: argparse.Namespace) -> list[RequestSpec]:
+    """The workload of ``args`` (deterministic for a given ``--seed``)."""
+    rng = random.Random(args.seed)
+    sample = {
+        "random": sample_random,
+        "shared-prefix": sample_shared_prefix,
+        "sharegpt": sample_sharegpt,
+    }[args.dataset_name]
+    return sample(args, rng)
+
+
+def workload_info(args: argparse.Namespace, requests: Sequence[RequestSpec]) -> dict[str, Any]:
+    """The dataset and its parameters, for the JSON record."""
+    info: dict[str, Any] = {"dataset_name": args.dataset_name}
+    if args.dataset_name == "sharegpt":
+        info |= {"dataset_path": args.dataset_path, "sharegpt_output_len": args.sharegpt_output_len}
+    else:
+        kind = prompt_kind(args)
+        info["prompt_kind"] = kind
+        if kind == "token-ids":
+            info["vocab_size"] = args.vocab_size
+        prefix = "random_" if args.dataset_name == "random" else "gsp_"
+        info |= {
+            k: v
+            for k, v in vars(args).items()
+            if k.startswith(prefix) and k != "random_prompt_kind"
+        }
+    info |= {
+        "seed": args.seed,
+        "num_prompts": len(requests),
+        "ignore_eos": args.ignore_eos,
+        "warmup_requests": args.warmup_requests,
+    }
+    return info
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Pauses (s) after each of n requests. Gamma-distributed with mean 1/rate;
+    burstiness 1.0 is a Poisson process, lower is burstier; rate inf: no pauses."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request rate and burstiness must be > 0, got {rate}, {burstiness}")
+    scale = 1.0 / (rate * burstiness)
+    return [rng.gammavariate(burstiness, scale) for _ in range(n)]
+
+
+# -- sending --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str
+    model: str
+    requests: list[RequestSpec]
+    backend: str = "openai-completions"
+    endpoint: str | None = None
+    """Path under base_url; None: the backend's default."""
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    ignore_eos: bool = False
+    api_key: str | None = None
+    request_timeout_s: float = 3600.0
+    warmup_requests: int = 0
+    seed: int = 0
+    show_progress: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + (self.endpoint or ENDPOINTS[self.backend])
+
+
+@dataclass
+class RequestOutcome:
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    start: float = 0.0
+    """perf_counter() when the request was sent."""
+    end: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    chunks: int = 0
+    """Chunks with non-empty text."""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    """From the usage chunk; None when the server sent none."""
+
+
+@dataclass
+class BenchmarkResult:
+    outcomes: list[RequestOutcome]
+    duration: float
+    """Seconds from the first send to the last finish."""
+
+
+def request_payload(spec: RequestSpec, config: BenchConfig) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": config.model,
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.backend == "openai-chat":
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
+
+
+async def read_stream(resp: httpx.Response, out: RequestOutcome, chat: bool) -> None:
+    """Consume an SSE response into ``out`` (timings, usage, or an error)."""
+    last = out.start
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            out.error = error_text(chunk["error"])
+            return
+        if usage := chunk.get("usage"):
+            out.prompt_tokens = usage.get("prompt_tokens")
+            out.completion_tokens = usage.get("completion_tokens")
+        if chunk_text(chunk, chat):
+            now = time.perf_counter()
+            if out.chunks == 0:
+                out.ttft = now - out.start
+            else:
+                out.itl.append(now - last)
+            last = now
+            out.chunks += 1
+
+
+async def send_request(
+    client: httpx.AsyncClient, config: BenchConfig, spec: RequestSpec
+) -> RequestOutcome:
+    out = RequestOutcome(prompt_len=spec.prompt_len)
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    payload = request_payload(spec, config)
+    out.start = time.perf_counter()
+    try:
+        async with client.stream("POST", config.url, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                out.error = f"HTTP {resp.status_code}: {body[:500]}"
+            else:
+                await read_stream(resp, out, config.backend == "openai-chat")
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    out.end = time.perf_counter()
+    out.latency = out.end - out.start
+    if not out.error and out.chunks == 0:
+        out.error = "the stream carried no text"
+    out.success = not out.error
+    return out
+
+
+class Progress:
+    """``[  37/100]`` on stderr, rewritten in place."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.width = len(str(total))
+
+    def step(self) -> None:
+        self.done += 1
+        if self.enabled:
+            end = "\n" if self.done == self.total else ""
+            print(
+                f"\r[{self.done:>{self.width}}/{self.total}]", end=end, file=sys.stderr, flush=True
+            )
+
+
+async def run_benchmark(config: BenchConfig) -> BenchmarkResult:
+    """Warm up, then send ``config.requests`` at the configured arrival rate and
+    concurrency; return every request's outcome and the benchmark duration."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        limits=limits, timeout=httpx.Timeout(config.request_timeout_s)
+    ) as client:
+        slots = (
+            asyncio.Semaphore(config.max_concurrency)
+            if config.max_concurrency
+            else contextlib.nullcontext()
+        )
+
+        async def limited(spec: RequestSpec) -> RequestOutcome:
+            async with slots:
+                return await send_request(client, config, spec)
+
+        if config.warmup_requests:
+            specs = [
+                config.requests[i % len(config.requests)] for i in range(config.warmup_requests)
+            ]
+            warm = await asyncio.gather(*(limited(s) for s in specs))
+            if bad := [o for o in warm if not o.success]:
+                print(
+                    f"warning: {len(bad)} warm-up requests failed: {bad[0].error}", file=sys.stderr
+                )
+
+        progress = Progress(len(config.requests), config.show_progress)
+        gaps = arrival_gaps(
+            len(config.requests), config.request_rate, config.burstiness, random.Random(config.seed)
+        )
+        tasks = []
+        # Absolute send times, so that event-loop delays do not accumulate.
+        t0, due = time.perf_counter(), 0.0
+        for spec, gap in zip(config.requests, gaps):
+            if (wait := t0 + due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            task = asyncio.create_task(limited(spec))
+            task.add_done_callback(lambda _: progress.step())
+            tasks.append(task)
+            due += gap
+        outcomes = list(await asyncio.gather(*tasks))
+    duration = max(o.end for o in outcomes) - min(o.start for o in outcomes) if outcomes else 0.0
+    return BenchmarkResult(outcomes, duration)
+
+
+# -- metrics --------------------------------------------------------------------
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """``ttft=500,tpot=50`` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    slo = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in SLO_METRICS:
+            raise argparse.ArgumentTypeError(
+                f"bad SLO {item!r}: expected NAME=MS with NAME in {', '.join(SLO_METRICS)}"
+            )
+        try:
+            slo[key] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad SLO value {value!r} (milliseconds)") from None
+    return slo
+
+
+def stats_ms(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean/median/std/p90/p95/p99 in ms (None without samples), vLLM's key names."""
+    keys = ("mean", "median", "std", "p90", "p95", "p99")
+    if not values_s:
+        return {f"{k}_{name}_ms": None for k in keys}
+    a = np.asarray(values_s, dtype=float) * 1000.0
+    vals = (a.mean(), np.median(a), a.std(), *np.percentile(a, [90, 95, 99]))
+    return {f"{k}_{name}_ms": float(v) for k, v in zip(keys, vals)}
+
+
+def compute_metrics(
+    outcomes: Sequence[RequestOutcome], duration: float, slo: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """Aggregate metrics over the successful outcomes (see the module docstring)."""
+    ok = [o for o in outcomes if o.success]
+    out_tokens = [o.chunks if o.completion_tokens is None else o.completion_tokens for o in ok]
+    in_tokens = [o.prompt_len if o.prompt_tokens is None else o.prompt_tokens for o in ok]
+    # Per request; 0 for single-token outputs, which therefore pass a TPOT SLO (as in vLLM).
+    tpot_all = [(o.latency - o.ttft) / (n - 1) if n > 1 else 0.0 for o, n in zip(ok, out_tokens)]
+    samples = {
+        "ttft": [o.ttft for o in ok],
+        "tpot": [t for t, n in zip(tpot_all, out_tokens) if n > 1],
+        "itl": [g for o in ok for g in o.itl],
+        "e2el": [o.latency for o in ok],
+    }
+    per = 1.0 / duration if duration > 0 else 0.0
+    total_in, total_out = sum(in_tokens), sum(out_tokens)
+    m: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(outcomes) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "output_tokens_from_chunks": any(o.completion_tokens is None for o in ok),
+        "request_throughput": len(ok) * per,
+        "request_goodput": None,
+        "input_throughput": total_in * per,
+        "output_throughput": total_out * per,
+        "total_token_throughput": (total_in + total_out) * per,
+    }
+    if slo:
+        per_request = {"ttft": samples["ttft"], "tpot": tpot_all, "e2el": samples["e2el"]}
+        good = sum(
+            all(per_request[k][i] * 1000.0 <= limit for k, limit in slo.items())
+            for i in range(len(ok))
+        )
+        m |= {"request_goodput": good * per, "good_requests": good, "slo_ms": slo}
+    for name in STAT_METRICS:
+        m |= stats_ms(name, samples[name])
+    errors = [o.error for o in outcomes if not o.success]
+    m["errors"] = sorted(set(errors))[:10]
+    return m
+
+
+# -- report ---------------------------------------------------------------------
+
+TITLES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
+
+
+def format_value(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def format_table(r: dict[str, Any]) -> str:
+    rows: list[str] = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+
+    def row(label: str, value: Any) -> None:
+        rows.append(f"{label:<40}{format_value(value):>10}")
+
+    row("Successful requests:", r["completed"])
+    row("Failed requests:", r["failed"])
+    row("Maximum request concurrency:", r["max_concurrency"])
+    row("Request rate (req/s):", r["request_rate"])
+    row("Benchmark duration (s):", r["duration"])
+    row("Total input tokens:", r["total_input_tokens"])
+    row("Total generated tokens:", r["total_output_tokens"])
+    row("Request throughput (req/s):", r["request_throughput"])
+    if r["request_goodput"] is not None:
+        row("Request goodput (req/s):", r["request_goodput"])
+    row("Input token throughput (tok/s):", r["input_throughput"])
+    row("Output token throughput (tok/s):", r["output_throughput"])
+    row("Total token throughput (tok/s):", r["total_token_throughput"])
+    for name, title in TITLES.items():
+        rows.append("{s:{c}^50}".format(s=title, c="-"))
+        upper = name.upper()
+        for stat in ("mean", "median", "std", "p90", "p95", "p99"):
+            label = stat.capitalize() if stat in ("mean", "median") else stat.upper()
+            row(f"{label} {upper} (ms):", r[f"{stat}_{name}_ms"])
+    rows.append("=" * 50)
+    return "\n".join(rows)
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    # nvidia-smi rather than torch: the benchmark client must stay light.
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        lines = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.splitlines()
+        info["gpus"] = [ln.split(" (UUID")[0].split(": ", 1)[-1] for ln in lines if ln.strip()]
+    return info
+
+
+def require_matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plot(outcomes: Sequence[RequestOutcome], path: str | Path, title: str) -> None:
+    """Two histograms: TTFT and ITL of the successful requests, in ms."""
+    plt = require_matplotlib()
+    ok = [o for o in outcomes if o.success]
+    data = {
+        "TTFT (ms)": [o.ttft * 1e3 for o in ok],
+        "ITL (ms)": [g * 1e3 for o in ok for g in o.itl],
+    }
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (label, values) in zip(axes, data.items()):
+        ax.hist(values, bins=50)
+        ax.set_xlabel(label)
+        ax.set_ylabel("count")
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- command line ---------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="bench_serving.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ep = ap.add_argument_group("endpoint")
+    ep.add_argument(
+        "--base-url",
+        default=None,
+        help="server root, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)",
+    )
+    ep.add_argument(
+        "--host", default="127.0.0.1", help="server host without --base-url (default: %(default)s)"
+    )
+    ep.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="server port without --base-url (default: %(default)s)",
+    )
+    ep.add_argument(
+        "--backend",
+        choices=[*ENDPOINTS, *BACKEND_ALIASES],
+        default="openai-completions",
+        help="API to call: openai-completions (/v1/completions; 'openai' is an alias) or "
+        "openai-chat (/v1/chat/completions) (default: %(default)s)",
+    )
+    ep.add_argument("--endpoint", default=None, help="API path override (default: the backend's)")
+    ep.add_argument(
+        "--model", default=None, help="model name sent (default: the first id of GET /v1/models)"
+    )
+    ep.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY, else none)",
+    )
+    ep.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=3600.0,
+        help="fail a request when connecting or any read of its stream takes longer (default: %(default)s)",
+    )
+
+    ds = ap.add_argument_group("workload")
+    ds.add_argument(
+        "--dataset-name",
+        choices=["random", "shared-prefix", "sharegpt"],
+        default="random",
+        help="random: random prompts of --random-* lengths; shared-prefix: groups of prompts "
+        "sharing a system prompt (--gsp-*); sharegpt: conversations from --dataset-path "
+        "(default: %(default)s)",
+    )
+    ds.add_argument(
+        "--num-prompts",
+        type=int,
+        default=1000,
+        help="requests to send (random, sharegpt; shared-prefix sends num-groups x "
+        "prompts-per-group) (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="fixes prompts, lengths and arrival times (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--random-input-len",
+        type=int,
+        default=1024,
+        help="prompt length, tokens (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--random-output-len", type=int, default=128, help="max_tokens (default: %(default)s)"
+    )
+    ds.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="input and output lengths are uniform in [max(1, floor(LEN * RATIO)), LEN] "
+        "(SGLang's convention; 1.0 = fixed lengths, 0.0 = anything up to LEN; vLLM's newer "
+        "[LEN*(1-R), LEN*(1+R)] differs) (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--random-prompt-kind",
+        choices=["auto", "token-ids", "text"],
+        default="auto",
+        help="token-ids: prompts are lists of ids uniform in "
+        f"[{FIRST_TOKEN_ID}, --vocab-size), exact length (completions only); text: words from "
+        "a built-in list, length counted in words (about one token each); auto: token-ids for "
+        "completions, text for chat. Also used by shared-prefix (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--vocab-size",
+        type=int,
+        default=512,
+        help="token-id prompts stay below this id (default: %(default)s, the built-in tiny "
+        "model's vocab; raise it for real models)",
+    )
+    ds.add_argument(
+        "--gsp-num-groups",
+        type=int,
+        default=64,
+        help="shared-prefix: number of system prompts (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--gsp-prompts-per-group",
+        type=int,
+        default=16,
+        help="shared-prefix: questions per system prompt (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--gsp-system-prompt-len",
+        type=int,
+        default=2048,
+        help="shared-prefix: system prompt length (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--gsp-question-len",
+        type=int,
+        default=128,
+        help="shared-prefix: question length (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--gsp-output-len",
+        type=int,
+        default=256,
+        help="shared-prefix: max_tokens (default: %(default)s)",
+    )
+    ds.add_argument(
+        "--dataset-path",
+        default=None,
+        help='sharegpt: local JSON file, a list of {"conversations": [{"from": "human"|"gpt", '
+        '"value": ...}, ...]}; the first human turn followed by a gpt turn is the prompt',
+    )
+    ds.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="sharegpt: max_tokens of every request (default: the gpt reply's word count)",
+    )
+
+    ld = ap.add_argument_group("load")
+    ld.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (exponential gaps of mean 1/RATE); inf "
+        "sends all at once (default: %(default)s)",
+    )
+    ld.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma-distributed gaps of shape BURSTINESS and mean 1/RATE: 1.0 is Poisson, "
+        "< 1 burstier, > 1 more uniform (default: %(default)s)",
+    )
+    ld.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight; later arrivals wait (default: no limit)",
+    )
+    ld.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="requests sent (and awaited) before timing starts, not counted (default: %(default)s)",
+    )
+    ld.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true (an extension of vLLM, SGLang and this gateway) so every "
+        "request generates max_tokens tokens",
+    )
+    ld.add_argument(
+        "--slo",
+        type=parse_slo,
+        default=None,
+        metavar="NAME=MS,...",
+        help="service-level objectives for goodput, e.g. ttft=500,tpot=50 (also e2el=MS): "
+        "request_goodput counts requests per second meeting all of them",
+    )
+
+    out = ap.add_argument_group("output")
+    out.add_argument(
+        "--output-file",
+        default=str(DEFAULT_OUTPUT),
+        help="append one JSON line here (default: %(default)s)",
+    )
+    out.add_argument("--no-output", action="store_true", help="do not write the JSON line")
+    out.add_argument("--label", default=None, help="free text stored in the JSON record")
+    out.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="write TTFT and ITL histograms (needs matplotlib)",
+    )
+    out.add_argument(
+        "--disable-progress", action="store_true", help="no progress counter on stderr"
+    )
+    return ap
+
+
+def fetch_model(base_url: str, api_key: str | None) -> tuple[str, int | None]:
+    """The first served model's id and max_model_len (GET /v1/models)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    resp.raise_for_status()
+    models = resp.json().get("data") or []
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model")
+    return models[0]["id"], models[0].get("max_model_len")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run one benchmark; return the JSON record (also printed and appended)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.backend = BACKEND_ALIASES.get(args.backend, args.backend)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/").removesuffix("/v1")
+    if args.plot:
+        require_matplotlib()  # fail before the run, not after it
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        parser.error("--request-rate and --burstiness must be > 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error("--max-concurrency must be >= 1")
+    try:
+        requests = sample_requests(args)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    if not requests:
+        parser.error("the workload is empty")
+    try:
+        model, max_len = fetch_model(base_url, args.api_key)
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        if args.model is None:
+            parser.error(f"cannot list models at {base_url} (give --model): {e}")
+        max_len = None
+    model = args.model or model
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if max_len and longest > max_len:
+        print(
+            f"warning: requests of up to {longest} tokens, max_model_len {max_len}", file=sys.stderr
+        )
+
+    config = BenchConfig(
+        base_url=base_url,
+        model=model,
+        requests=requests,
+        backend=args.backend,
+        endpoint=args.endpoint,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        api_key=args.api_key,
+        request_timeout_s=args.request_timeout_s,
+        warmup_requests=args.warmup_requests,
+        seed=args.seed,
+        show_progress=not args.disable_progress,
+    )
+    print(
+        f"{len(requests)} requests to {config.url} (model {model}), rate {args.request_rate}, "
+        f"max concurrency {args.max_concurrency}",
+        file=sys.stderr,
+    )
+    result = asyncio.run(run_benchmark(config))
+    rate = args.request_rate
+    record: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "label": args.label,
+        "backend": args.backend,
+        "base_url": base_url,
+        "endpoint": config.url.removeprefix(base_url),
+        "model": model,
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "workload": workload_info(args, requests),
+        **compute_metrics(result.outcomes, result.duration, args.slo),
+        "command": shlex.join(sys.argv if argv is None else [Path(__file__).name, *argv]),
+        "git_commit": git_commit(),
+        "machine": machine_info(),
+    }
+    print(format_table(record))
+    if record["errors"]:
+        print(f"errors: {record['errors']}", file=sys.stderr)
+    if not args.no_output:
+        path = Path(args.output_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"appended to {path}", file=sys.stderr)
+    if args.plot:
+        write_plot(result.outcomes, args.plot, f"{model} {args.label or ''}".strip())
+    return record
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["completed"] else 1)

@@ -1,0 +1,366 @@
+"""Disaggregated vs colocated serving on the same hardware, with one workload.
+
+Runs ``bench_serving.py`` against (a) one ``python -m prefill_server`` worker
+plus one ``python -m decode_server`` worker behind ``python -m gateway
+--prefill URL --decode URL``, then (b) one ``python -m decode_server --role
+both`` worker behind ``python -m gateway --decode URL``; prints both results
+side by side and appends both JSON records (labels "pd" and "colocated") to
+``--output-file``. Everything after ``--`` goes to bench_serving.py::
+
+    python benchmarks/compare_pd.py --dummy-preset llama-3.1-8b \\
+        --prefill-device cuda:0 --decode-device cuda:1 --colocated-device cuda:0 \\
+        --transfer-backend nixl --kv-cache-memory-gb 40 -- \\
+        --random-input-len 2048 --random-output-len 256 --num-prompts 200 \\
+        --request-rate 4 --ignore-eos
+
+Each deployment's processes are stopped (SIGTERM, then SIGKILL after a
+timeout) before the next one starts, also on errors and Ctrl-C; their logs'
+tails are printed when one of them fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import bench_serving  # noqa: E402
+from benchmarks.dummy_model import write_dummy_model  # noqa: E402
+from engine.presets import PRESETS  # noqa: E402
+from engine.worker.cli import CLUSTER_TOKEN_ENV  # noqa: E402
+
+STOP_TIMEOUT_S = 30.0
+LABELS = {"pd": "disaggregated", "colocated": "colocated"}
+
+
+@dataclass
+class Process:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    url: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def print_logs(procs: Sequence[Process]) -> None:
+    for p in procs:
+        state = "running" if p.proc.poll() is None else f"exited with {p.proc.returncode}"
+        print(f"----- {p.name} ({state}), {p.log_path} -----", file=sys.stderr)
+        print(log_tail(p.log_path), file=sys.stderr)
+
+
+def start(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> Process:
+    port = int(cmd[cmd.index("--port") + 1])
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        # Own process group: a Ctrl-C in the terminal reaches only this script,
+        # which then stops the gateway before its workers; and a SIGKILL of the
+        # group also takes a worker's engine process.
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+        )
+    return Process(name, proc, log_path, f"http://127.0.0.1:{port}")
+
+
+def wait_healthy(procs: Sequence[Process], timeout_s: float) -> None:
+    """Poll each process's /health until 200; raise if one exits or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while True:
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.proc.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{p.name} not healthy after {timeout_s:g}s")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{p.url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+
+
+def stop_all(procs: Sequence[Process]) -> None:
+    """SIGTERM all (in order), wait, SIGKILL the process group of any that lingers."""
+    for p in procs:
+        if p.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.proc.pid, signal.SIGKILL)
+            p.proc.wait(10)
+
+
+@contextlib.contextmanager
+def deployment(
+    label: str, args: argparse.Namespace, model: str | None, log_dir: Path
+) -> Iterator[str]:
+    """Start the workers and gateway of ``label``; yield the gateway URL; always stop them."""
+    env = {**os.environ, CLUSTER_TOKEN_ENV: secrets.token_hex(16)}
+    if label == "pd":
+        specs = [
+            ("prefill", "prefill_server", "prefill", args.prefill_device),
+            ("decode", "decode_server", "decode", args.decode_device),
+        ]
+    else:
+        specs = [("colocated", "decode_server", "both", args.colocated_device)]
+    workers: list[Process] = []
+    procs: list[Process] = []  # stop order: gateway first
+    try:
+        for name, module, role, device in specs:
+            workers.append(
+                start(
+                    f"{label}-{name}", worker_cmd(module, role, device, args, model), log_dir, env
+                )
+            )
+            procs.append(workers[-1])
+        wait_healthy(workers, args.start_timeout_s)
+        urls = {role: w.url for (_, _, role, _), w in zip(specs, workers)}
+        gw_cmd = [
+            sys.executable,
+            "-m",
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+        ]
+        if "prefill" in urls:
+            gw_cmd += ["--prefill", urls["prefill"], "--decode", urls["decode"]]
+        else:
+            gw_cmd += ["--decode", urls["both"]]
+        gateway = start(f"{label}-gateway", gw_cmd + shlex.split(args.gateway_args), log_dir, env)
+        procs.insert(0, gateway)
+        wait_healthy([gateway], args.start_timeout_s)
+        yield gateway.url
+        if dead := [p.name for p in procs if p.proc.poll() is not None]:
+            raise RuntimeError(f"{', '.join(dead)} exited during the benchmark")
+    except BaseException:
+        print_logs(procs)
+        raise
+    finally:
+        stop_all(procs)
+
+
+def worker_cmd(
+    module: str, role: str, device: str, args: argparse.Namespace, model: str | None
+) -> list[str]:
+    cmd = [sys.executable, "-m", module, "--role", role, "--host", "127.0.0.1"]
+    cmd += ["--port", str(free_port()), "--device", device, "--page-size", str(args.page_size)]
+    cmd += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    cmd += ["--load-format", args.load_format]
+    if model is not None:
+        cmd += ["--model", model]
+    if role != "both":
+        cmd += ["--transfer-backend", args.transfer_backend]
+    return cmd + shlex.split(args.worker_args)
+
+
+def token_id_limit(model_dir: str | None) -> int | None:
+    """Largest id bound below the model's vocab and its special ids at the top of
+    it (Llama-3, Qwen), so random token-id prompts hold ordinary tokens only."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return None
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    ids = []
+    for key in ("bos_token_id", "eos_token_id"):
+        v = cfg.get(key)
+        ids += v if isinstance(v, list) else ([] if v is None else [v])
+    high = [int(i) for i in ids if int(i) > bench_serving.FIRST_TOKEN_ID]
+    return min([int(cfg["vocab_size"]), *high])
+
+
+ROWS: list[tuple[str, str]] = [
+    ("Successful requests", "completed"),
+    ("Failed requests", "failed"),
+    ("Benchmark duration (s)", "duration"),
+    ("Total input tokens", "total_input_tokens"),
+    ("Total generated tokens", "total_output_tokens"),
+    ("Request throughput (req/s)", "request_throughput"),
+    ("Request goodput (req/s)", "request_goodput"),
+    ("Output token throughput (tok/s)", "output_throughput"),
+    ("Total token throughput (tok/s)", "total_token_throughput"),
+    *(
+        (f"{stat.capitalize() if stat != 'p99' else 'P99'} {m.upper()} (ms)", f"{stat}_{m}_ms")
+        for m in ("ttft", "tpot", "itl", "e2el")
+        for stat in ("mean", "median", "p99")
+    ),
+]
+
+
+def comparison_table(results: dict[str, dict[str, Any]]) -> str:
+    """Key metrics as rows, one column per deployment."""
+    names = [LABELS[k] for k in results]
+    lines = [f"{'':<34}" + "".join(f"{n:>16}" for n in names)]
+    lines.append("-" * len(lines[0]))
+    for title, key in ROWS:
+        cells = "".join(f"{bench_serving.format_value(r.get(key)):>16}" for r in results.values())
+        lines.append(f"{title:<34}{cells}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="compare_pd.py",
+        usage="%(prog)s [options] [-- bench_serving.py options]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = ap.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory served by every worker (default: the built-in tiny model)",
+    )
+    m.add_argument(
+        "--dummy-preset",
+        default=None,
+        metavar="NAME",
+        help=f"serve a preset in real shapes with random weights ({', '.join(sorted(PRESETS))}, "
+        "or a config.json path): builds a config + synthetic tokenizer directory "
+        "(benchmarks/dummy_model.py) in a temp folder and implies --load-format dummy",
+    )
+    m.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="auto: the checkpoint's weights; dummy: random weights (default: %(default)s)",
+    )
+    w = ap.add_argument_group("workers")
+    w.add_argument(
+        "--prefill-device",
+        default="auto",
+        help="device of the prefill worker (default: %(default)s)",
+    )
+    w.add_argument(
+        "--decode-device", default="auto", help="device of the decode worker (default: %(default)s)"
+    )
+    w.add_argument(
+        "--colocated-device",
+        default="auto",
+        help="device of the colocated (--role both) worker (default: %(default)s)",
+    )
+    w.add_argument(
+        "--transfer-backend",
+        choices=["tcp", "nixl"],
+        default="tcp",
+        help="KV transfer between the prefill and decode workers (default: %(default)s)",
+    )
+    w.add_argument(
+        "--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)"
+    )
+    w.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=0.25,
+        help="KV pool of each worker (default: %(default)s)",
+    )
+    w.add_argument(
+        "--worker-args",
+        default="",
+        help='extra flags for every worker, one string, e.g. "--max-running-requests 64"',
+    )
+    w.add_argument("--gateway-args", default="", help="extra flags for both gateways, one string")
+    w.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long each process may take to answer /health (default: %(default)s)",
+    )
+    o = ap.add_argument_group("output")
+    o.add_argument(
+        "--output-file",
+        default=str(bench_serving.DEFAULT_OUTPUT),
+        help="append both JSON records here (default: %(default)s)",
+    )
+    o.add_argument("--no-output", action="store_true", help="do not write JSON records")
+    o.add_argument(
+        "--log-dir",
+        default=None,
+        help="keep the processes' logs here (default: a temp folder, removed at the end)",
+    )
+    return ap
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Benchmark both deployments; return {"pd": record, "colocated": record}."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv[:split])
+    bench_args = argv[split + 1 :]
+    if args.dummy_preset and args.model:
+        parser.error("give --model or --dummy-preset, not both")
+    if args.model in PRESETS:
+        parser.error(f"a preset has no tokenizer for the gateway: use --dummy-preset {args.model}")
+    # Bad benchmark flags must fail before any process starts.
+    bench_serving.build_parser().parse_args([*bench_args, "--base-url", "http://check"])
+
+    old_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    with contextlib.ExitStack() as stack:
+        stack.callback(signal.signal, signal.SIGTERM, old_handler)
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="compare_pd-")))
+        log_dir = Path(args.log_dir) if args.log_dir else tmp
+        log_dir.mkdir(parents=True, exist_ok=True)
+        model = args.model
+        if args.dummy_preset:
+            name = (
+                Path(args.dummy_preset).stem
+                if args.dummy_preset.endswith(".json")
+                else args.dummy_preset
+            )
+            model = str(write_dummy_model(args.dummy_preset, tmp / name))
+            args.load_format = "dummy"
+        limit = token_id_limit(model)
+        defaults = ["--vocab-size", str(limit)] if limit else []
+        output = ["--no-output"] if args.no_output else ["--output-file", args.output_file]
+        results: dict[str, dict[str, Any]] = {}
+        for label in LABELS:
+            print(f"== {LABELS[label]} ==", file=sys.stderr)
+            with deployment(label, args, model, log_dir) as url:
+                results[label] = bench_serving.main(
+                    [*defaults, *bench_args, "--base-url", url, "--label", label, *output]
+                )
+    print()
+    print(comparison_table(results))
+    return results
+
+
+if __name__ == "__main__":
+    records = main()
+    sys.exit(0 if all(r["completed"] for r in records.values()) else 1)

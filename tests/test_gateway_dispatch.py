@@ -1,0 +1,199 @@
+"""The dispatcher against fake workers on real ZMQ sockets: retry on another
+worker only while nothing was produced, and clients of departed workers closed."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from engine.protocol import to_gateway, to_worker
+from engine.protocol.client import WorkerDisconnected, WorkerUnreachable
+from engine.protocol.to_gateway import TokenDelta, Tokens
+from engine.protocol.to_worker import Abort, SamplingSpec
+from gateway.dispatch import Dispatcher, NoWorkerAvailable
+from gateway.router import Router, RouterConfig, WorkerInfo
+
+CONNECT_TIMEOUT_S = 0.3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeWorker:
+    """A request-plane ROUTER that answers each request with ``tokens`` deltas;
+    with ``die_after`` set it closes its socket after that many deltas."""
+
+    def __init__(self, tokens: int = 3, die_after: int | None = None) -> None:
+        self.tokens, self.die_after = tokens, die_after
+        self.requests: list[str] = []
+        self.aborts: list[str] = []
+        self.endpoint = ""
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> FakeWorker:
+        ctx = zmq.asyncio.Context.instance()
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._task = asyncio.create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if not self.sock.closed:
+            self.sock.close(linger=0)
+
+    async def _serve(self) -> None:
+        while True:
+            ident, frame = await self.sock.recv_multipart()
+            msg = to_worker.decoder.decode(frame)
+            if isinstance(msg, Abort):
+                self.aborts.append(msg.rid)
+                continue
+            self.requests.append(msg.rid)
+            for i in range(self.tokens):
+                if self.die_after is not None and i == self.die_after:
+                    self.close()
+                    return
+                last = i == self.tokens - 1
+                delta = TokenDelta(msg.rid, [10 + i], [-0.5], "length" if last else None)
+                await self.sock.send_multipart([ident, to_gateway.encoder.encode(Tokens([delta]))])
+
+
+def router_with(*endpoints: str) -> tuple[Router, list[WorkerInfo]]:
+    """Decode-pool workers ("both": no prefill needed) in this order; least_load
+    picks the first of equally loaded ones."""
+    router = Router(RouterConfig(decode_policy="least_load"))
+    workers = []
+    for i, ep in enumerate(endpoints):
+        w = WorkerInfo(url=f"http://worker-{i}", role="both", request_endpoint=ep)
+        workers.append(router.add(w))
+    return router, workers
+
+
+async def collect(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [d async for d in stream]
+
+
+SPEC = SamplingSpec(max_tokens=3, temperature=0.0)
+
+
+def run(coro) -> None:  # noqa: ANN001
+    asyncio.run(coro)
+
+
+def test_dead_worker_is_skipped_before_dispatch() -> None:
+    async def go() -> None:
+        async with FakeWorker() as live:
+            dead = f"tcp://127.0.0.1:{free_port()}"
+            router, (w_dead, w_live) = router_with(dead, live.endpoint)
+            d = Dispatcher(router, timeout_s=10, connect_timeout_s=CONNECT_TIMEOUT_S)
+            try:
+                deltas = await collect(d.stream([1, 2, 3], SPEC))
+            finally:
+                await d.close()
+            assert [t for x in deltas for t in x.token_ids] == [10, 11, 12]
+            assert deltas[-1].finish_reason == "length"
+            assert len(live.requests) == 1
+            # The dead worker is blamed (breaker), the live one is not; loads are back.
+            assert w_dead.breaker.failures == 1 and w_live.breaker.failures == 0
+            assert w_dead.outstanding_requests == w_live.outstanding_requests == 0
+            assert w_dead.outstanding_tokens == w_live.outstanding_tokens == 0
+
+    run(go())
+
+
+def test_no_worker_left_to_try() -> None:
+    async def go() -> None:
+        ends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+        router, workers = router_with(*ends)
+        d = Dispatcher(router, timeout_s=10, connect_timeout_s=CONNECT_TIMEOUT_S)
+        try:
+            with pytest.raises(WorkerUnreachable):
+                await collect(d.stream([1], SPEC))
+        finally:
+            await d.close()
+        assert [w.breaker.failures for w in workers] == [1, 1]
+        empty = Router()
+        with pytest.raises(NoWorkerAvailable):
+            await collect(Dispatcher(empty, timeout_s=1).stream([1], SPEC))
+
+    run(go())
+
+
+def test_attempts_are_bounded() -> None:
+    async def go() -> None:
+        ends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(4)]
+        router, workers = router_with(*ends)
+        d = Dispatcher(router, timeout_s=10, connect_timeout_s=0.2, max_attempts=2)
+        try:
+            with pytest.raises(WorkerUnreachable):
+                await collect(d.stream([1], SPEC))
+        finally:
+            await d.close()
+        assert sum(w.breaker.failures for w in workers) == 2
+
+    run(go())
+
+
+def test_no_retry_once_tokens_are_out() -> None:
+    """A worker that dies after its first token ends the request with an error;
+    the other worker never sees it."""
+
+    async def go() -> None:
+        async with FakeWorker(tokens=3, die_after=1) as dying, FakeWorker() as other:
+            router, (w_dying, _) = router_with(dying.endpoint, other.endpoint)
+            d = Dispatcher(router, timeout_s=10, connect_timeout_s=CONNECT_TIMEOUT_S)
+            got: list[TokenDelta] = []
+            try:
+                with pytest.raises(WorkerDisconnected):
+                    async for delta in d.stream([1, 2], SPEC):
+                        got.append(delta)
+            finally:
+                await d.close()
+            assert [t for x in got for t in x.token_ids] == [10]
+            assert other.requests == []
+            assert w_dying.breaker.failures == 1 and w_dying.outstanding_requests == 0
+
+    run(go())
+
+
+def test_prune_closes_clients_of_departed_workers() -> None:
+    async def go() -> None:
+        async with FakeWorker() as a, FakeWorker() as b:
+            router, (wa, wb) = router_with(a.endpoint, b.endpoint)
+            d = Dispatcher(router, timeout_s=10, connect_timeout_s=CONNECT_TIMEOUT_S)
+            try:
+                await collect(d.stream([1], SPEC))  # least load: a
+                wa.outstanding_tokens = 100  # so that b takes the next one
+                await collect(d.stream([1], SPEC))
+                wa.outstanding_tokens = 0
+                assert sorted(d.endpoints) == sorted([a.endpoint, b.endpoint])
+                await d.prune()
+                assert len(d.endpoints) == 2, "live workers keep their clients"
+                router.remove(wb.url)  # nothing in flight: dropped at once
+                wa.healthy = False
+                await d.prune()
+                assert d.endpoints == []
+                # A worker that comes back gets a new client on its next request.
+                wa.healthy = True
+                await collect(d.stream([1], SPEC))
+                assert d.endpoints == [a.endpoint]
+            finally:
+                await d.close()
+            assert len(a.requests) == 2 and len(b.requests) == 1
+
+    run(go())
