@@ -1203,6 +1203,32 @@ def test_killed_worker_leaves_pool(gw: Gateway, offline: Offline, extra_decode: 
     assert_drained(gw)
 
 
+def test_worker_registers_itself(
+    gw: Gateway, model_dir: str, offline: Offline, tmp_path: Path
+) -> None:
+    """A worker started with --register joins its pool and takes traffic."""
+    cmd, port, log_path, env = _worker_spec(tmp_path, "decode-registered", "decode", model_dir)
+    cmd += ["--register", gw.url, "--register-key", ADMIN_KEY]
+    with launch_workers([(cmd, port, log_path, env)]) as (w,):
+        LIVE_LOGS.append(w.log_path)
+        gw.extra_workers.append(w)
+        try:
+            deadline = time.monotonic() + 30
+            while w.url not in gw.gateway_workers():
+                assert time.monotonic() < deadline, f"never registered:\n{log_tail(w.log_path)}"
+                time.sleep(0.1)
+            assert gw.gateway_workers()[w.url]["role"] == "decode"
+            before = _transfers(w)
+            _burst(gw, offline, 8, "registered")
+            assert _transfers(w) > before, "the registered worker got no request"
+            resp = gw.admin("DELETE", "/admin/workers", params={"url": w.url})
+            assert resp.status_code == 200, resp.text
+            assert_drained(gw)
+        finally:
+            gw.extra_workers.remove(w)
+            LIVE_LOGS.remove(w.log_path)
+
+
 # -- command line ---------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from engine.worker.config import LOG_LEVELS, TRANSFER_BACKENDS, WorkerConfig
 from engine.worker.roles import ROLE_HELP, ROLES
 
 CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
+REGISTER_KEY_ENV = "DISAGG_REGISTER_KEY"
 
 
 def _optional_int(text: str) -> int | None:
@@ -68,6 +69,12 @@ def build_parser(prog: str, default_role: str, default_port: int) -> argparse.Ar
         default=None,
         help="once healthy, register with the gateway at this base URL "
         "(POST GATEWAY_URL/admin/workers; best effort, retried)",
+    )
+    net.add_argument(
+        "--register-key",
+        default=os.environ.get(REGISTER_KEY_ENV),
+        help="bearer key for the gateway's admin API when registering: the gateway's "
+        f"--admin-key (default: ${REGISTER_KEY_ENV}, else the cluster token)",
     )
 
     model = ap.add_argument_group("model")

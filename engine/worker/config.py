@@ -63,6 +63,8 @@ class WorkerConfig:
     """A request still in the engine after this long is failed; 0 disables."""
     register: str | None = None
     """Gateway base URL to register with once healthy; None: do not register."""
+    register_key: str | None = None
+    """Bearer key of the gateway's admin API; None: the cluster token."""
     log_level: str = "info"
 
     def __post_init__(self) -> None:

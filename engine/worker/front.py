@@ -365,7 +365,8 @@ async def _register(config: WorkerConfig, server: uvicorn.Server, engine: Engine
         await asyncio.sleep(0.05)
     url = f"{config.register.rstrip('/')}/admin/workers"
     body = {"url": config.url, "role": config.role}
-    headers = {"Authorization": f"Bearer {config.cluster_token}"} if config.cluster_token else {}
+    key = config.register_key or config.cluster_token
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     delay = 1.0
     async with httpx.AsyncClient(timeout=5.0) as client:
         for attempt in range(1, REGISTER_ATTEMPTS + 1):
