@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -866,20 +867,13 @@ class _EndlessDispatcher:
         pass
 
 
-def test_disconnect_closes_the_stream_in_process(model_dir: str) -> None:
-    """The gateway app itself (middleware, SSE generator, choice merging) with
-    fake endless worker streams that lose cancellations, served by uvicorn in a
-    thread: every stream whose client disconnects is still closed at once. (With
-    real workers the lost cancel is a race, hit in a fraction of disconnects.)"""
+@contextlib.contextmanager
+def _in_process_gateway(
+    model_dir: str, config: GatewayConfig, dispatcher: _EndlessDispatcher
+) -> Iterator[str]:
+    """The gateway app over ``dispatcher``, served by uvicorn in a thread; yields its URL."""
     router = Router(RouterConfig())
-    dispatcher = _EndlessDispatcher()
-    state = _LocalState(
-        GatewayConfig(api_key=API_KEY),
-        router,
-        HealthChecker(router),
-        dispatcher,
-        model_dir=model_dir,
-    )  # type: ignore[arg-type]
+    state = _LocalState(config, router, HealthChecker(router), dispatcher, model_dir=model_dir)  # type: ignore[arg-type]
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
@@ -892,12 +886,26 @@ def test_disconnect_closes_the_stream_in_process(model_dir: str) -> None:
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "in-process gateway down"
             time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        dispatcher.stopped = True
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the in-process gateway did not stop"
+
+
+def test_disconnect_closes_the_stream_in_process(model_dir: str) -> None:
+    """The gateway app itself (middleware, SSE generator, choice merging) with
+    fake endless worker streams that lose cancellations, served by uvicorn in a
+    thread: every stream whose client disconnects is still closed at once. (With
+    real workers the lost cancel is a race, hit in a fraction of disconnects.)"""
+    dispatcher = _EndlessDispatcher()
+    with _in_process_gateway(model_dir, GatewayConfig(api_key=API_KEY), dispatcher) as base:
 
         async def quit_early(client: openai.AsyncOpenAI, i: int) -> None:
             stream = await client.completions.create(
@@ -926,11 +934,35 @@ def test_disconnect_closes_the_stream_in_process(model_dir: str) -> None:
 
         asyncio.run(run())
         assert dispatcher.started == 48
-    finally:
-        dispatcher.stopped = True
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the in-process gateway did not stop"
+
+
+def test_request_timeout_ends_every_request(model_dir: str) -> None:
+    """Requests whose workers never finish end at --request-timeout-s: 504 in
+    the OpenAI error body, or an error event and [DONE] on a stream; their
+    worker streams are closed."""
+    dispatcher = _EndlessDispatcher()
+    timeout_s = 0.5
+    config = GatewayConfig(request_timeout_s=timeout_s)
+    with _in_process_gateway(model_dir, config, dispatcher) as base:
+        body = {"model": MODEL, "prompt": "forever", "max_tokens": 400}
+        t0 = time.monotonic()
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 504, resp.text
+        assert resp.json()["error"]["code"] == "timeout"
+        assert time.monotonic() - t0 < timeout_s + 5
+
+        t0 = time.monotonic()
+        resp = httpx.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=30)
+        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert time.monotonic() - t0 < timeout_s + 5
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "timeout"
+        assert len(events) > 3, "tokens streamed before the timeout"
+        deadline = time.monotonic() + 2
+        while dispatcher.open:
+            assert time.monotonic() < deadline, "worker streams left open after the timeout"
+            time.sleep(0.01)
+        assert dispatcher.started == 2
 
 
 # -- guards and plain endpoints -------------------------------------------------------
