@@ -46,7 +46,7 @@ def test_engine_matches_hf_on_cuda(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf = hf.to("cuda:0").eval()
     llm = LLM(model_dir, device="cuda:0", dtype="float32", page_size=16)
     ids = [tok.encode(p) for p in PROMPTS]
@@ -61,7 +61,12 @@ def test_engine_matches_hf_on_cuda(model_dir: str) -> None:
                 do_sample=False,
             )
         assert out.token_ids == ref[0, len(p_ids) :].tolist()
-    assert llm.engine.runner.pool.allocator.num_free == llm.engine.runner.pool.allocator.capacity
+    sched, alloc = llm.engine.scheduler, llm.engine.runner.pool.allocator
+    assert not sched.running and not sched.waiting
+    if sched.cache is not None:  # finished prompts stay cached, unreferenced
+        assert sched.cache.locked_pages == 0
+        sched.cache.reset()
+    assert alloc.num_free == alloc.capacity
 
 
 @pytest.fixture(scope="module")
