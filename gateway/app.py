@@ -417,7 +417,8 @@ def build_app(state: GatewayState) -> FastAPI:
         if w is None:
             raise APIError(404, f"no worker {url}", param="url", code="not_found")
         await state.dispatcher.prune()
-        return {"removed": url, "draining": True}
+        # Still listed (draining) until its outstanding requests end.
+        return {"removed": url, "draining": True, "outstanding_requests": w.outstanding_requests}
 
     def check_model(name: str) -> None:
         if name != state.model_name:

@@ -1207,6 +1207,56 @@ def test_admin_add_and_remove_worker(gw: Gateway, offline: Offline, extra_decode
     assert_drained(gw)
 
 
+def test_removed_worker_finishes_its_requests(
+    gw: Gateway, offline: Offline, extra_decode: Worker
+) -> None:
+    """A worker removed while it serves requests takes no new ones, finishes
+    the ones it has (correct text), and then leaves the pool."""
+    resp = gw.admin("POST", "/admin/workers", json={"url": extra_decode.url})
+    assert resp.status_code == 200, resp.text
+    max_tokens = 160  # long enough to be removed mid-request
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} draining {i}" for i in range(8)]
+    wants = offline.greedy([offline.encode(p) for p in prompts], max_tokens, ignore_eos=True)
+
+    async def run() -> list[Streamed]:
+        client = gw.aclient()
+
+        async def one(p: str) -> Streamed:
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=p,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+            out = Streamed()
+            async for chunk in stream:
+                _add_chunk(out, chunk, chat=False)
+            return out
+
+        try:
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            deadline = time.monotonic() + 30
+            while extra_decode.stats()["running"] == 0:
+                assert time.monotonic() < deadline, "the added worker never got a request"
+                await asyncio.sleep(0.02)
+            resp = await asyncio.to_thread(
+                gw.admin, "DELETE", "/admin/workers", params={"url": extra_decode.url}
+            )
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["outstanding_requests"] > 0, "removed after its requests ended"
+            return await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+
+    for p, got, want in zip(prompts, asyncio.run(run()), wants):
+        assert got.token_ids == want.token_ids, p
+        assert got.finish_reason == "length"
+    assert extra_decode.url not in gw.gateway_workers()
+    assert_drained(gw)
+
+
 def test_killed_worker_leaves_pool(gw: Gateway, offline: Offline, extra_decode: Worker) -> None:
     resp = gw.admin("POST", "/admin/workers", json={"url": extra_decode.url})
     assert resp.status_code == 200, resp.text
