@@ -764,6 +764,7 @@ async def _sse(
                     prompt_sent[i] = True
                 yield chunk([c], **extra)
     except TimeoutError:
+        state.metrics.failures.inc("timeout")
         err = {
             "message": f"request did not finish within {timeout:g}s",
             "type": "server_error",
@@ -772,6 +773,7 @@ async def _sse(
         }
         yield f"data: {json.dumps({'error': err})}\n\n"
     except APIError as e:
+        state.metrics.failures.inc(e.code or str(e.status))
         err = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
         yield f"data: {json.dumps({'error': err})}\n\n"
     else:

@@ -958,6 +958,8 @@ def test_request_timeout_ends_every_request(model_dir: str) -> None:
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "timeout"
         assert len(events) > 3, "tokens streamed before the timeout"
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert 'gateway_request_failures_total{kind="timeout"} 2' in metrics
         deadline = time.monotonic() + 2
         while dispatcher.open:
             assert time.monotonic() < deadline, "worker streams left open after the timeout"
