@@ -241,7 +241,8 @@ class EngineConfig:
             num_pages = max(2, int(self.kv_cache_memory_gb * (1 << 30)) // per_page + 1)
         backend = self.attention_backend
         if backend == "auto":
-            # The reference backend serves every device until a kernel backend
-            # is registered in engine.attention.
-            backend = "torch_native"
+            from engine.attention.flashinfer import flashinfer_usable
+
+            usable = flashinfer_usable(self.device, model_config.dtype, model_config.head_dim)
+            backend = "flashinfer" if usable else "torch_native"
         return replace(self, context_length=ctx, num_pages=num_pages, attention_backend=backend)

@@ -487,6 +487,13 @@ def test_client_unreachable_when_nobody_listens() -> None:
 # -- CLI -----------------------------------------------------------------------------
 
 
+def test_attention_backend_choices_match_the_registry() -> None:
+    from engine.attention import ATTENTION_BACKENDS
+    from engine.worker.config import ATTENTION_BACKENDS as CHOICES
+
+    assert sorted(CHOICES) == sorted(["auto", *ATTENTION_BACKENDS])
+
+
 @pytest.mark.parametrize(
     ("module", "role", "port"),
     [("prefill_server", "prefill", 30000), ("decode_server", "decode", 30001)],

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 
-from engine.worker.config import LOG_LEVELS, TRANSFER_BACKENDS, WorkerConfig
+from engine.worker.config import ATTENTION_BACKENDS, LOG_LEVELS, TRANSFER_BACKENDS, WorkerConfig
 from engine.worker.roles import ROLE_HELP, ROLES
 
 CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
@@ -105,6 +105,13 @@ def build_parser(prog: str, default_role: str, default_port: int) -> argparse.Ar
         "--dtype",
         default=d.dtype,
         help="auto (from config.json), float32, bfloat16 or float16 (default: %(default)s)",
+    )
+    model.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=d.attention_backend,
+        help="attention kernels: flashinfer (CUDA, bf16/fp16), torch_native (any device); "
+        "auto picks flashinfer where it can run (default: %(default)s)",
     )
     model.add_argument(
         "--context-length",

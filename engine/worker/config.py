@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 TRANSFER_BACKENDS = ("nixl", "tcp")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "torch_native")
+"""``auto`` plus the names registered in ``engine.attention`` (kept torch-free here)."""
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 
@@ -55,6 +57,7 @@ class WorkerConfig:
     context_length: int | None = None
     enable_prefix_cache: bool = True
     seed: int = 0
+    attention_backend: str = "auto"
     transfer_backend: str = "tcp"
     cluster_token: str | None = None
     """Shared secret of the KV plane (and sent to the gateway on registration)."""
@@ -169,6 +172,7 @@ class WorkerConfig:
             context_length=cfg.context_length,
             enable_prefix_cache=cfg.enable_prefix_cache,
             seed=cfg.seed,
+            attention_backend=cfg.attention_backend,
         )
 
 
