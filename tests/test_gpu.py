@@ -106,7 +106,7 @@ def test_flashinfer_matches_torch_native() -> None:
     """Same weights, same batches (prefill of several prompts, decode, a chunk
     after a cached prefix, a mixed batch) through both backends."""
     assert (
-        EngineConfig(device="cuda:0")
+        EngineConfig(model="kernel-test", device="cuda:0")
         .resolve(ModelConfig.from_dict(KERNEL_MODEL, dtype=torch.bfloat16))
         .attention_backend
         == "flashinfer"
