@@ -17,8 +17,8 @@ serve`` and SGLang's ``bench_serving``, so numbers are comparable:
 
 Token counts come from the server's final usage chunk (``stream_options:
 {"include_usage": true}``). Failed requests (non-200 status, an ``error``
-chunk, a broken stream) are counted in ``failed`` and left out of every other
-metric. One JSON line per run is appended to ``--output-file``.
+chunk, a broken stream, no text at all) are counted in ``failed`` and left out
+of every other metric. One JSON line per run is appended to ``--output-file``.
 """
 
 from __future__ import annotations
@@ -547,11 +547,19 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
     }
     # nvidia-smi rather than torch: the benchmark client must stay light.
@@ -667,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--random-input-len",
         type=int,
         default=1024,
-        help="prompt length, tokens (default: %(default)s)",
+        help="prompt length in tokens (words for text prompts) (default: %(default)s)",
     )
     ds.add_argument(
         "--random-output-len", type=int, default=128, help="max_tokens (default: %(default)s)"
@@ -712,13 +720,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--gsp-system-prompt-len",
         type=int,
         default=2048,
-        help="shared-prefix: system prompt length (default: %(default)s)",
+        help="shared-prefix: system prompt length, tokens or words (default: %(default)s)",
     )
     ds.add_argument(
         "--gsp-question-len",
         type=int,
         default=128,
-        help="shared-prefix: question length (default: %(default)s)",
+        help="shared-prefix: question length, tokens or words (default: %(default)s)",
     )
     ds.add_argument(
         "--gsp-output-len",
@@ -790,6 +798,14 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--no-output", action="store_true", help="do not write the JSON line")
     out.add_argument("--label", default=None, help="free text stored in the JSON record")
     out.add_argument(
+        "--metadata",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="facts about the deployment under test (e.g. tp=1 device=cuda:0), stored under "
+        '"metadata" in the JSON record',
+    )
+    out.add_argument(
         "--plot",
         default=None,
         metavar="FILE.png",
@@ -799,6 +815,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-progress", action="store_true", help="no progress counter on stderr"
     )
     return ap
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command as typed, with the --api-key value masked."""
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word == "--api-key" and i + 1 < len(words):
+            words[i + 1] = "REDACTED"
+        elif word.startswith("--api-key="):
+            words[i] = "--api-key=REDACTED"
+    return shlex.join(words)
 
 
 def fetch_model(base_url: str, api_key: str | None) -> tuple[str, int | None]:
@@ -820,6 +847,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/").removesuffix("/v1")
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
+    if any("=" not in item for item in args.metadata):
+        parser.error("--metadata takes KEY=VALUE pairs")
+    metadata = dict(item.split("=", 1) for item in args.metadata)
     if args.request_rate <= 0 or args.burstiness <= 0:
         parser.error("--request-rate and --burstiness must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -869,6 +899,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "label": args.label,
+        "metadata": metadata,
         "backend": args.backend,
         "base_url": base_url,
         "endpoint": config.url.removeprefix(base_url),
@@ -878,7 +909,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
         "workload": workload_info(args, requests),
         **compute_metrics(result.outcomes, result.duration, args.slo),
-        "command": shlex.join(sys.argv if argv is None else [Path(__file__).name, *argv]),
+        "command": command_line(sys.argv if argv is None else [Path(__file__).name, *argv]),
         "git_commit": git_commit(),
         "machine": machine_info(),
     }

@@ -122,57 +122,6 @@ def stop_all(procs: Sequence[Process]) -> None:
             p.proc.wait(10)
 
 
-@contextlib.contextmanager
-def deployment(
-    label: str, args: argparse.Namespace, model: str | None, log_dir: Path
-) -> Iterator[str]:
-    """Start the workers and gateway of ``label``; yield the gateway URL; always stop them."""
-    env = {**os.environ, CLUSTER_TOKEN_ENV: secrets.token_hex(16)}
-    if label == "pd":
-        specs = [
-            ("prefill", "prefill_server", "prefill", args.prefill_device),
-            ("decode", "decode_server", "decode", args.decode_device),
-        ]
-    else:
-        specs = [("colocated", "decode_server", "both", args.colocated_device)]
-    workers: list[Process] = []
-    procs: list[Process] = []  # stop order: gateway first
-    try:
-        for name, module, role, device in specs:
-            workers.append(
-                start(
-                    f"{label}-{name}", worker_cmd(module, role, device, args, model), log_dir, env
-                )
-            )
-            procs.append(workers[-1])
-        wait_healthy(workers, args.start_timeout_s)
-        urls = {role: w.url for (_, _, role, _), w in zip(specs, workers)}
-        gw_cmd = [
-            sys.executable,
-            "-m",
-            "gateway",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-        ]
-        if "prefill" in urls:
-            gw_cmd += ["--prefill", urls["prefill"], "--decode", urls["decode"]]
-        else:
-            gw_cmd += ["--decode", urls["both"]]
-        gateway = start(f"{label}-gateway", gw_cmd + shlex.split(args.gateway_args), log_dir, env)
-        procs.insert(0, gateway)
-        wait_healthy([gateway], args.start_timeout_s)
-        yield gateway.url
-        if dead := [p.name for p in procs if p.proc.poll() is not None]:
-            raise RuntimeError(f"{', '.join(dead)} exited during the benchmark")
-    except BaseException:
-        print_logs(procs)
-        raise
-    finally:
-        stop_all(procs)
-
-
 def worker_cmd(
     module: str, role: str, device: str, args: argparse.Namespace, model: str | None
 ) -> list[str]:
@@ -187,6 +136,50 @@ def worker_cmd(
     return cmd + shlex.split(args.worker_args)
 
 
+def gateway_cmd(workers: dict[str, str], args: argparse.Namespace) -> list[str]:
+    """``workers``: role -> URL. A colocated ("both") worker joins the decode pool."""
+    cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(free_port())]
+    if "prefill" in workers:
+        cmd += ["--prefill", workers["prefill"]]
+    cmd += ["--decode", workers.get("decode") or workers["both"]]
+    return cmd + shlex.split(args.gateway_args)
+
+
+@contextlib.contextmanager
+def deployment(
+    label: str, args: argparse.Namespace, model: str | None, log_dir: Path
+) -> Iterator[str]:
+    """Start the workers and gateway of ``label``; yield the gateway URL; always stop them."""
+    env = {**os.environ, CLUSTER_TOKEN_ENV: secrets.token_hex(16)}
+    if label == "pd":
+        specs = [
+            ("prefill_server", "prefill", args.prefill_device),
+            ("decode_server", "decode", args.decode_device),
+        ]
+    else:
+        specs = [("decode_server", "both", args.colocated_device)]
+    procs: list[Process] = []  # in stop order: the gateway first
+    try:
+        for module, role, device in specs:
+            cmd = worker_cmd(module, role, device, args, model)
+            procs.append(start(f"{label}-{role}", cmd, log_dir, env))
+        wait_healthy(procs, args.start_timeout_s)
+        urls = {role: p.url for (_, role, _), p in zip(specs, procs)}
+        gateway = start(f"{label}-gateway", gateway_cmd(urls, args), log_dir, env)
+        procs.insert(0, gateway)
+        wait_healthy([gateway], args.start_timeout_s)
+        yield gateway.url
+        if dead := [p.name for p in procs if p.proc.poll() is not None]:
+            raise RuntimeError(f"{', '.join(dead)} exited during the benchmark")
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        print_logs(procs)
+        raise
+    finally:
+        stop_all(procs)
+
+
 def token_id_limit(model_dir: str | None) -> int | None:
     """Largest id bound below the model's vocab and its special ids at the top of
     it (Llama-3, Qwen), so random token-id prompts hold ordinary tokens only."""
@@ -199,6 +192,20 @@ def token_id_limit(model_dir: str | None) -> int | None:
         ids += v if isinstance(v, list) else ([] if v is None else [v])
     high = [int(i) for i in ids if int(i) > bench_serving.FIRST_TOKEN_ID]
     return min([int(cfg["vocab_size"]), *high])
+
+
+def deployment_metadata(args: argparse.Namespace, model: str | None) -> list[str]:
+    """KEY=VALUE facts shared by both deployments, for the JSON records."""
+    facts = {
+        "model": args.dummy_preset or model or "tiny",
+        "load_format": args.load_format,
+        "transfer_backend": args.transfer_backend,
+        "page_size": args.page_size,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "worker_args": args.worker_args,
+        "gateway_args": args.gateway_args,
+    }
+    return [f"{k}={v}" for k, v in facts.items()]
 
 
 ROWS: list[tuple[str, str]] = [
@@ -313,8 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _raise_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+def _interrupt(signum: int, frame: Any) -> None:
+    # SIGTERM is handled like Ctrl-C, so that the started processes are stopped;
+    # through SIGINT's own handler where there is one, as asyncio.run() then
+    # cancels the running benchmark cleanly.
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -331,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     # Bad benchmark flags must fail before any process starts.
     bench_serving.build_parser().parse_args([*bench_args, "--base-url", "http://check"])
 
-    old_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    old_handler = signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.ExitStack() as stack:
         stack.callback(signal.signal, signal.SIGTERM, old_handler)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="compare_pd-")))
@@ -344,17 +356,27 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                 if args.dummy_preset.endswith(".json")
                 else args.dummy_preset
             )
-            model = str(write_dummy_model(args.dummy_preset, tmp / name))
+            try:
+                model = str(write_dummy_model(args.dummy_preset, tmp / name))
+            except (OSError, ValueError) as e:
+                parser.error(f"--dummy-preset: {e}")
             args.load_format = "dummy"
         limit = token_id_limit(model)
         defaults = ["--vocab-size", str(limit)] if limit else []
+        common = deployment_metadata(args, model)
         output = ["--no-output"] if args.no_output else ["--output-file", args.output_file]
         results: dict[str, dict[str, Any]] = {}
         for label in LABELS:
             print(f"== {LABELS[label]} ==", file=sys.stderr)
+            devices = (
+                [f"prefill_device={args.prefill_device}", f"decode_device={args.decode_device}"]
+                if label == "pd"
+                else [f"device={args.colocated_device}"]
+            )
             with deployment(label, args, model, log_dir) as url:
                 results[label] = bench_serving.main(
                     [*defaults, *bench_args, "--base-url", url, "--label", label, *output]
+                    + ["--metadata", *common, *devices]
                 )
     print()
     print(comparison_table(results))
@@ -362,5 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    records = main()
+    try:
+        records = main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted; every started process was stopped")
     sys.exit(0 if all(r["completed"] for r in records.values()) else 1)

@@ -106,7 +106,9 @@ def write_dummy_model(config: str | Mapping[str, Any], out_dir: str | Path) -> P
     build_tokenizer(vocab_size, specials).save(str(out / "tokenizer.json"))
     eos = _ids(cfg.get("eos_token_id"))
     bos = _ids(cfg.get("bos_token_id"))
-    named = {"unk_token": UNK_TOKEN}
+    # <unk> stays an ordinary token (not named here), so that no id outside
+    # bos/eos decodes to nothing when special tokens are skipped.
+    named: dict[str, str] = {}
     if bos:
         named["bos_token"] = specials[bos[0]]
     if eos:

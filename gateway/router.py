@@ -813,7 +813,9 @@ class HealthChecker:
             raise WorkerUnreachable(
                 f"worker {url} reports no valid role in /server_info: {actual!r}"
             )
-        if role is not None and role != actual:
+        # A colocated worker ("both") serves the decode pool: --decode URL and
+        # role "decode" take it.
+        if role is not None and role != actual and (role, actual) != ("decode", "both"):
             raise WorkerRoleMismatch(
                 f"worker {url} was added as {role!r} but reports role {actual!r}"
             )

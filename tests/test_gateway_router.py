@@ -522,6 +522,15 @@ def test_add_worker_role_mismatch_and_unreachable(fake_worker: FakeWorker) -> No
                 await hc.add_worker(fake_worker.url, role="decode")
             assert router.workers() == []
             assert (await hc.add_worker(fake_worker.url, role="prefill")).role == "prefill"
+            # A colocated worker joins the decode pool under role "decode" (--decode URL).
+            router.remove(fake_worker.url)
+            fake_worker.role = "both"
+            w = await hc.add_worker(fake_worker.url, role="decode")
+            assert w.role == "both" and router.get(fake_worker.url) in router.decode.list()
+            with pytest.raises(WorkerRoleMismatch, match="added as 'prefill'"):
+                await hc.add_worker(fake_worker.url, role="prefill")
+            router.remove(fake_worker.url)
+            fake_worker.role = "prefill"
             dead = f"http://127.0.0.1:{free_port()}"
             with pytest.raises(WorkerUnreachable, match=f"cannot reach worker {dead}"):
                 await hc.add_worker(dead)

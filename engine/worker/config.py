@@ -125,7 +125,9 @@ class WorkerConfig:
         if self.served_model_name:
             return self.served_model_name
         if self.model is None:
-            return "tiny"
+            from engine.tiny import TINY_MODEL_NAME
+
+            return TINY_MODEL_NAME
         return os.path.basename(os.path.normpath(self.model)) or self.model
 
     @property
@@ -137,17 +139,17 @@ class WorkerConfig:
     def resolve(self) -> WorkerConfig:
         """A new config with the model path and device filled in (builds the tiny
         model on first use and imports torch: call it in the engine process)."""
-        model = self.model
+        model, name = self.model, self.served_model_name
         if model is None:
-            from engine.tiny import ensure_tiny_model
+            from engine.tiny import TINY_MODEL_NAME, ensure_tiny_model
 
-            model = str(ensure_tiny_model())
+            model, name = str(ensure_tiny_model()), name or TINY_MODEL_NAME
         device = self.device
         if device == "auto":
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return replace(self, model=model, device=device)
+        return replace(self, model=model, device=device, served_model_name=name)
 
     def with_request_port(self, port: int) -> WorkerConfig:
         return replace(self, request_port=port)
