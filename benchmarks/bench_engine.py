@@ -127,7 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    ap.add_argument("--attention-backend", default="auto", help="auto, torch_native, ...")
+    ap.add_argument("--attention-backend", default="auto", help="auto, flashinfer or torch_native")
+    ap.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch run as a CUDA graph; 0 disables (default: auto)",
+    )
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     ap.add_argument(
@@ -165,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         page_size=args.page_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         attention_backend=args.attention_backend,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     mc = ModelConfig.load(model, cfg.torch_dtype)
     cfg = cfg.resolve(mc)
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [bench_one(runner, b, args) for b in args.batch_sizes]
     print(
         f"model={model} dtype={mc.dtype} device={args.device} backend={cfg.attention_backend} "
+        f"cuda_graph_max_bs={cfg.cuda_graph_max_bs} "
         f"page_size={cfg.page_size} load={load_s:.1f}s"
     )
     print(
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": str(mc.dtype).removeprefix("torch."),
         "device": args.device,
         "attention_backend": cfg.attention_backend,
+        "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
         "page_size": cfg.page_size,
         "results": rows,
     }

@@ -8,7 +8,7 @@ side by side and appends both JSON records (labels "pd" and "colocated") to
 ``--output-file``. Everything after ``--`` goes to bench_serving.py::
 
     python benchmarks/compare_pd.py --dummy-preset llama-3.1-8b \\
-        --prefill-device cuda:0 --decode-device cuda:1 --colocated-device cuda:0 \\
+        --prefill-device cuda:0 --decode-device cuda:1 --colocated-device cuda:0 cuda:1 \\
         --transfer-backend nixl --kv-cache-memory-gb 40 -- \\
         --random-input-len 2048 --random-output-len 256 --num-prompts 200 \\
         --request-rate 4 --ignore-eos
@@ -136,12 +136,13 @@ def worker_cmd(
     return cmd + shlex.split(args.worker_args)
 
 
-def gateway_cmd(workers: dict[str, str], args: argparse.Namespace) -> list[str]:
-    """``workers``: role -> URL. A colocated ("both") worker joins the decode pool."""
+def gateway_cmd(workers: list[tuple[str, str]], args: argparse.Namespace) -> list[str]:
+    """``workers``: (role, URL) pairs. Colocated ("both") workers join the decode pool."""
     cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(free_port())]
-    if "prefill" in workers:
-        cmd += ["--prefill", workers["prefill"]]
-    cmd += ["--decode", workers.get("decode") or workers["both"]]
+    prefill = [url for role, url in workers if role == "prefill"]
+    if prefill:
+        cmd += ["--prefill", *prefill]
+    cmd += ["--decode", *(url for role, url in workers if role != "prefill")]
     return cmd + shlex.split(args.gateway_args)
 
 
@@ -157,14 +158,15 @@ def deployment(
             ("decode_server", "decode", args.decode_device),
         ]
     else:
-        specs = [("decode_server", "both", args.colocated_device)]
+        specs = [("decode_server", "both", device) for device in args.colocated_device]
     procs: list[Process] = []  # in stop order: the gateway first
     try:
         for module, role, device in specs:
             cmd = worker_cmd(module, role, device, args, model)
-            procs.append(start(f"{label}-{role}", cmd, log_dir, env))
+            name = f"{label}-{role}" + (f"-{len(procs)}" if role == "both" else "")
+            procs.append(start(name, cmd, log_dir, env))
         wait_healthy(procs, args.start_timeout_s)
-        urls = {role: p.url for (_, role, _), p in zip(specs, procs)}
+        urls = [(role, p.url) for (_, role, _), p in zip(specs, procs)]
         gateway = start(f"{label}-gateway", gateway_cmd(urls, args), log_dir, env)
         procs.insert(0, gateway)
         wait_healthy([gateway], args.start_timeout_s)
@@ -275,8 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--colocated-device",
-        default="auto",
-        help="device of the colocated (--role both) worker (default: %(default)s)",
+        nargs="+",
+        default=["auto"],
+        help="device of each colocated (--role both) worker, one worker per device; give "
+        "the devices the disaggregated pair uses for a like-for-like comparison "
+        "(default: auto)",
     )
     w.add_argument(
         "--transfer-backend",
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
             devices = (
                 [f"prefill_device={args.prefill_device}", f"decode_device={args.decode_device}"]
                 if label == "pd"
-                else [f"device={args.colocated_device}"]
+                else [f"devices={','.join(args.colocated_device)}"]
             )
             with deployment(label, args, model, log_dir) as url:
                 results[label] = bench_serving.main(

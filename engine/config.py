@@ -206,6 +206,9 @@ class EngineConfig:
     overlap: bool = True
     """Schedule step N+1 while step N runs (decode and colocated engines)."""
     attention_backend: str = "auto"
+    cuda_graph_max_bs: int | None = None
+    """Largest decode batch replayed from a CUDA graph; 0 disables graphs, None
+    picks min(max_running_requests, 64) with the flashinfer backend, else 0."""
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -220,6 +223,8 @@ class EngineConfig:
             raise ValueError("chunk_size must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            raise ValueError("cuda_graph_max_bs must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -245,4 +250,15 @@ class EngineConfig:
 
             usable = flashinfer_usable(self.device, model_config.dtype, model_config.head_dim)
             backend = "flashinfer" if usable else "torch_native"
-        return replace(self, context_length=ctx, num_pages=num_pages, attention_backend=backend)
+        graph_bs = self.cuda_graph_max_bs
+        if graph_bs is None:
+            graph_bs = min(self.max_running_requests, 64) if backend == "flashinfer" else 0
+        if graph_bs and backend != "flashinfer":
+            raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
+        return replace(
+            self,
+            context_length=ctx,
+            num_pages=num_pages,
+            attention_backend=backend,
+            cuda_graph_max_bs=graph_bs,
+        )

@@ -10,7 +10,9 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import get_attention_backend
+from engine.attention.flashinfer import FlashInferAttention
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool, KVPoolConfig
 from engine.models import build_model
@@ -67,10 +69,23 @@ class ModelRunner:
         self.attn = get_attention_backend(config.attention_backend)(
             self.pool, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
         )
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graph_max_bs:
+            assert isinstance(self.attn, FlashInferAttention)
+            assert config.context_length is not None
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    self.model,
+                    self.attn,
+                    config.cuda_graph_max_bs,
+                    max_pages_per_request=-(-config.context_length // config.page_size),
+                )
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``[len(batch.logits_indices), vocab]`` in float32."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         self.attn.begin_forward(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -3,10 +3,12 @@ the gateway with the KV pages moved between GPUs (NIXL when importable)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -88,7 +90,7 @@ KERNEL_MODEL = {
 """Small, but in a head size the FlashInfer kernels are built for (bf16, 128)."""
 
 
-def _kernel_runner(backend: str) -> ModelRunner:
+def _kernel_runner(backend: str, graph_bs: int | None = None) -> ModelRunner:
     mc = ModelConfig.from_dict(KERNEL_MODEL, dtype=torch.bfloat16)
     cfg = EngineConfig(
         model="kernel-test",
@@ -97,6 +99,7 @@ def _kernel_runner(backend: str) -> ModelRunner:
         page_size=16,
         num_pages=128,
         attention_backend=backend,
+        cuda_graph_max_bs=graph_bs,
     ).resolve(mc)
     assert cfg.attention_backend == backend
     return ModelRunner(cfg, mc)
@@ -111,7 +114,14 @@ def test_flashinfer_matches_torch_native() -> None:
         .attention_backend
         == "flashinfer"
     ), "auto should pick flashinfer here"
-    runners = [_kernel_runner("torch_native"), _kernel_runner("flashinfer")]
+    runners = [
+        _kernel_runner("torch_native"),
+        _kernel_runner("flashinfer", graph_bs=0),  # eager
+        _kernel_runner("flashinfer", graph_bs=2),  # decode of 4 rows: too big, eager
+        _kernel_runner("flashinfer", graph_bs=8),  # decode of 4 rows: graph of 4
+    ]
+    assert runners[0].graphs is None and runners[1].graphs is None
+    assert runners[3].graphs is not None and runners[3].graphs.sizes == [1, 2, 4, 8]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 37, 70, 50)]
     ps = 16
@@ -142,13 +152,43 @@ def test_flashinfer_matches_torch_native() -> None:
             ]
         )
     for i, specs in enumerate(steps):
-        ref, got = (r.forward_logits(build_forward_batch(specs, ps, "cuda:0")) for r in runners)
+        ref, *outs = (r.forward_logits(build_forward_batch(specs, ps, "cuda:0")) for r in runners)
         scale = ref.abs().max().item()
-        diff = (got - ref).abs()
-        assert diff.max().item() < 0.05 * scale, f"step {i}: {diff.max().item()} vs {scale}"
-        assert diff.mean().item() < 0.005 * scale, f"step {i}"
-        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        assert agree > 0.9, f"step {i}: argmax agrees on {agree:.0%}"
+        for j, got in enumerate(outs):
+            diff = (got - ref).abs()
+            what = f"step {i}, runner {j + 1}"
+            assert diff.max().item() < 0.05 * scale, f"{what}: {diff.max().item()} vs {scale}"
+            assert diff.mean().item() < 0.005 * scale, what
+            agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            assert agree > 0.9, f"{what}: argmax agrees on {agree:.0%}"
+        # The graph replays the eager kernels: same numbers up to the work split.
+        assert (outs[2] - outs[0]).abs().max().item() < 0.01 * scale, f"step {i}: graph vs eager"
+
+
+def test_overlap_with_cuda_graphs_matches_sync(tmp_path: Path) -> None:
+    """The overlap loop plans step N+1 while step N may still be queued: with
+    plan slots it gives exactly the tokens of the synchronous loop, through
+    CUDA graphs of several padded sizes and eager prefills."""
+    (tmp_path / "config.json").write_text(json.dumps(KERNEL_MODEL))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in range(5, 70, 4)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = []
+    for overlap in (True, False):
+        llm = LLM(
+            str(tmp_path),
+            load_format="dummy",
+            device="cuda:0",
+            dtype="bfloat16",
+            page_size=16,
+            max_num_batched_tokens=256,
+            cuda_graph_max_bs=12,
+            overlap=overlap,
+        )
+        assert llm.engine.runner.graphs is not None
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        del llm
+    assert outs[0] == outs[1]
 
 
 @pytest.fixture(scope="module")

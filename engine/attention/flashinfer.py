@@ -9,6 +9,7 @@ strides, so no copy of the cache is made. K and V views share their strides.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -17,11 +18,16 @@ from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
 
 WORKSPACE_BYTES = 256 << 20
-"""Scratch of the kernels (split-KV partial results); shared by both wrappers,
-which never run at the same time."""
+"""Scratch of the kernels (split-KV partial results); shared by every wrapper,
+since forwards run one after another on one stream."""
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+NUM_PLAN_SLOTS = 2
+"""Plans alternate between this many wrapper sets. plan() writes the page table
+into a pinned host buffer and queues its copy to the device; with the overlap
+loop the host plans step N+1 while step N may still wait in the stream, so the
+buffer of step N must not be rewritten: N+1 uses the other set."""
 
 
 def flashinfer_usable(device: str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -33,6 +39,50 @@ def flashinfer_usable(device: str, dtype: torch.dtype, head_dim: int) -> bool:
         and head_dim in KERNEL_HEAD_DIMS
         and importlib.util.find_spec("flashinfer") is not None
     )
+
+
+class _PlanSlot:
+    """Wrappers that own one set of plan buffers (the page table and the
+    kernels' work split, read by the kernels as they run), and the event that
+    marks when the device is done with the last forward planned into them."""
+
+    def __init__(self, fi: Any, workspace: torch.Tensor) -> None:
+        self.fi, self.workspace = fi, workspace
+        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.graph_decode: dict[int, Any] = {}
+        """Batch size -> decode wrapper with fixed buffers (CUDA-graph replay)."""
+        self.consumed: torch.cuda.Event | None = None
+
+    def graph_wrapper(self, batch_size: int, max_pages: int) -> Any:
+        wrapper = self.graph_decode.get(batch_size)
+        if wrapper is None:
+            device = self.workspace.device
+            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(
+                    batch_size + 1, dtype=torch.int32, device=device
+                ),
+                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buffer=torch.zeros(
+                    batch_size, dtype=torch.int32, device=device
+                ),
+            )
+            self.graph_decode[batch_size] = wrapper
+        return wrapper
+
+    def wait_reusable(self) -> None:
+        if self.consumed is not None:
+            self.consumed.synchronize()
+
+    def release(self) -> None:
+        """Every kernel of the forward planned here is queued: once the stream
+        passes this point the buffers may be planned again."""
+        if self.consumed is None:
+            self.consumed = torch.cuda.Event()
+        self.consumed.record()
 
 
 class FlashInferAttention(AttentionBackend):
@@ -52,14 +102,18 @@ class FlashInferAttention(AttentionBackend):
                 f"attention_backend 'flashinfer' needs a bfloat16 or float16 KV cache, "
                 f"not {pool.kv.dtype}"
             )
-        device = pool.kv.device
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._wrapper: object = self._decode
+        self._workspace = torch.empty(
+            WORKSPACE_BYTES, dtype=torch.uint8, device=pool.kv.device
+        ).zero_()
+        self._slots = [_PlanSlot(flashinfer, self._workspace) for _ in range(NUM_PLAN_SLOTS)]
+        self._next_slot = 0
+        self._current: _PlanSlot | None = None
+        self._wrapper: Any = None
         self._batch: ForwardBatch | None = None
 
-    def begin_forward(self, batch: ForwardBatch) -> None:
+    # -- planning
+
+    def _page_table(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
         ps = self.pool.page_size
         indptr, indices, last_len = [0], [], []
         for seq_len, table in zip(batch.seq_lens, batch.page_tables):
@@ -67,46 +121,79 @@ class FlashInferAttention(AttentionBackend):
             indices.extend(table[:n])
             indptr.append(indptr[-1] + n)
             last_len.append(seq_len - (n - 1) * ps)
+        return indptr, indices, last_len
 
-        # Page tables go in as host tensors: plan() schedules on the host and
-        # copies them to the device itself.
-        def host(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int32)
+    def _take_slot(self, slot: int | None = None) -> _PlanSlot:
+        if self._current is not None:
+            self._current.release()  # the previous forward is fully queued
+        if slot is None:
+            slot = self.next_graph_slot()
+        s = self._slots[slot]
+        s.wait_reusable()
+        self._current = s
+        return s
 
-        device = self.pool.kv.device
-        kv_indices = host(indices).to(device, non_blocking=True)
-        dtype = self.pool.kv.dtype
-        common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
+    def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
+        indptr, indices, last_len = self._page_table(batch)
+        wrapper.plan(
+            _host(indptr),
+            _host(indices).to(self.pool.kv.device, non_blocking=True),
+            _host(last_len),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.pool.page_size,
+            q_data_type=self.pool.kv.dtype,
+            kv_data_type=self.pool.kv.dtype,
+            sm_scale=self.scale,
+        )
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        slot = self._take_slot()
         if batch.is_decode:
-            self._decode.plan(
-                host(indptr),
-                kv_indices,
-                host(last_len),
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                ps,
-                **common,
-            )
-            self._wrapper = self._decode
+            self._plan_decode(slot.decode, batch)
+            self._wrapper = slot.decode
         else:
+            indptr, indices, last_len = self._page_table(batch)
             qo_indptr = [0]
             for n in batch.extend_lens:
                 qo_indptr.append(qo_indptr[-1] + n)
-            self._prefill.plan(
-                host(qo_indptr),
-                host(indptr),
-                kv_indices,
-                host(last_len),
+            slot.prefill.plan(
+                _host(qo_indptr),
+                _host(indptr),
+                _host(indices).to(self.pool.kv.device, non_blocking=True),
+                _host(last_len),
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
-                ps,
+                self.pool.page_size,
                 causal=True,
-                **common,
+                q_data_type=self.pool.kv.dtype,
+                kv_data_type=self.pool.kv.dtype,
+                sm_scale=self.scale,
             )
-            self._wrapper = self._prefill
+            self._wrapper = slot.prefill
         self._batch = batch
+
+    # -- CUDA graphs (decode only)
+
+    def begin_graph_forward(self, batch: ForwardBatch, slot: int, max_pages: int) -> None:
+        """Plan a decode batch (already padded to a captured size) into the
+        fixed buffers of ``slot``'s wrapper for that size; a graph captured
+        after this call replays with whatever the latest plan of the same
+        (slot, size) put there."""
+        s = self._take_slot(slot)
+        wrapper = s.graph_wrapper(batch.num_requests, max_pages)
+        self._plan_decode(wrapper, batch)
+        self._wrapper = wrapper
+        self._batch = batch
+
+    def next_graph_slot(self) -> int:
+        """The slot the next forward plans into (graphs are captured per slot)."""
+        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_PLAN_SLOTS
+        return slot
+
+    # -- the kernel
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
@@ -115,4 +202,11 @@ class FlashInferAttention(AttentionBackend):
         assert batch is not None, "begin_forward must come first"
         self.pool.write(layer, batch.write_pages, batch.write_slots, k, v)
         cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
-        return self._wrapper.run(q.contiguous(), cache)  # type: ignore[attr-defined]
+        return self._wrapper.run(q.contiguous(), cache)
+
+
+def _host(x: list[int]) -> torch.Tensor:
+    """A pinned int32 host tensor. plan() reads indptr on the host to schedule
+    and queues the copies to the device itself; from pinned memory those copies
+    never make the host wait for the stream (the overlap loop depends on it)."""
+    return torch.tensor(x, dtype=torch.int32).pin_memory()

@@ -114,6 +114,13 @@ def build_parser(prog: str, default_role: str, default_port: int) -> argparse.Ar
         "auto picks flashinfer where it can run (default: %(default)s)",
     )
     model.add_argument(
+        "--cuda-graph-max-bs",
+        type=_optional_int,
+        default=None,
+        help="largest decode batch run as a CUDA graph; 0 disables graphs (default: auto, "
+        "min(--max-running-requests, 64) with flashinfer attention, else 0)",
+    )
+    model.add_argument(
         "--context-length",
         type=_optional_int,
         default=None,

@@ -58,6 +58,7 @@ class WorkerConfig:
     enable_prefix_cache: bool = True
     seed: int = 0
     attention_backend: str = "auto"
+    cuda_graph_max_bs: int | None = None
     transfer_backend: str = "tcp"
     cluster_token: str | None = None
     """Shared secret of the KV plane (and sent to the gateway on registration)."""
@@ -175,6 +176,7 @@ class WorkerConfig:
             enable_prefix_cache=cfg.enable_prefix_cache,
             seed=cfg.seed,
             attention_backend=cfg.attention_backend,
+            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         )
 
 

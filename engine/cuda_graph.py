@@ -1,0 +1,134 @@
+"""CUDA graphs of the decode forward: one per (batch size, plan slot).
+
+A decode step of a large model is hundreds of small kernels; launched one by
+one from Python at batch 1 the host, not the GPU, sets the step time. Each
+captured graph replays the whole forward (embedding, every layer with its KV
+write and attention, final norm, logits) with one launch. Inputs live in
+static buffers that every replay reads: a batch of ``b`` requests is copied in
+and padded to the next captured size; padded rows write their K/V into the
+reserved scratch page 0 and read only it.
+
+The attention plan (page table, work split) is not part of the graph: it is
+written into the slot's fixed buffers before each replay. Plans alternate
+between slots (see ``engine.attention.flashinfer``), so each size is captured
+once per slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.flashinfer import NUM_PLAN_SLOTS, FlashInferAttention
+from engine.forward_batch import ForwardBatch
+
+DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """The captured batch sizes up to ``max_batch_size`` (always including it)."""
+    sizes = [s for s in DEFAULT_SIZES if s < max_batch_size]
+    return [*sizes, max_batch_size]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn: FlashInferAttention,
+        max_batch_size: int,
+        max_pages_per_request: int,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_batch_size = max_batch_size
+        device = attn.pool.kv.device
+        self.device = device
+        n = max_batch_size
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.write_pages = torch.zeros(n, dtype=torch.int64, device=device)
+        self.write_slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        num_pages = attn.pool.allocator.num_pages
+        self._max_pages = {s: min(s * max_pages_per_request, num_pages) for s in self.sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        """Each graph's logits; only read right after its replay (they may share
+        memory with other graphs' intermediates in the common pool)."""
+        self._pool: tuple[int, int] | None = None
+        self._capture_all()
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.is_decode
+            and 0 < batch.num_requests <= self.max_batch_size
+            and batch.logits_indices.numel() == batch.num_requests
+        )
+
+    def _padded(self, batch: ForwardBatch, size: int) -> ForwardBatch:
+        """``batch`` moved into the static buffers, padded to ``size`` rows."""
+        b, pad = batch.num_requests, size - batch.num_requests
+        for dst, src in (
+            (self.input_ids, batch.input_ids),
+            (self.positions, batch.positions),
+            (self.write_pages, batch.write_pages),
+            (self.write_slots, batch.write_slots),
+        ):
+            dst[:b].copy_(src, non_blocking=True)
+            if pad:
+                dst[b:size].zero_()
+        return ForwardBatch(
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            seq_lens=[*batch.seq_lens, *([1] * pad)],
+            extend_lens=[1] * size,
+            page_tables=[*batch.page_tables, *([[0]] * pad)],
+            write_pages=self.write_pages[:size],
+            write_slots=self.write_slots[:size],
+            logits_indices=self.logits_indices[:size],
+        )
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        return self.model.compute_logits(hidden)
+
+    def _capture_all(self) -> None:
+        dummy = ForwardBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            seq_lens=[1] * self.max_batch_size,
+            extend_lens=[1] * self.max_batch_size,
+            page_tables=[[0]] * self.max_batch_size,
+            write_pages=self.write_pages,
+            write_slots=self.write_slots,
+            logits_indices=self.logits_indices,
+        )
+        # Largest first: smaller graphs then reuse the memory pool's blocks.
+        for size in reversed(self.sizes):
+            batch = self._padded(dummy, size)
+            for slot in range(NUM_PLAN_SLOTS):
+                self.attn.begin_graph_forward(batch, slot, self._max_pages[size])
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # warm-up outside the graph (lazy inits)
+                        self._forward(batch)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self._forward(batch)
+                self._pool = graph.pool()
+                self.graphs[(size, slot)] = graph
+                self._outputs[(size, slot)] = out
+        torch.cuda.synchronize(self.device)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[b, vocab]`` of a decode batch of ``b <= max_batch_size``."""
+        b = batch.num_requests
+        size = next(s for s in self.sizes if s >= b)
+        padded = self._padded(batch, size)
+        slot = self.attn.next_graph_slot()
+        self.attn.begin_graph_forward(padded, slot, self._max_pages[size])
+        self.graphs[(size, slot)].replay()
+        return self._outputs[(size, slot)][:b]
