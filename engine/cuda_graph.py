@@ -78,12 +78,19 @@ class DecodeGraphs:
             dst[:b].copy_(src, non_blocking=True)
             if pad:
                 dst[b:size].zero_()
+        return self._static_batch(
+            [*batch.seq_lens, *([1] * pad)], [*batch.page_tables, *([[0]] * pad)]
+        )
+
+    def _static_batch(self, seq_lens: list[int], page_tables: list[list[int]]) -> ForwardBatch:
+        """A decode batch over the first ``len(seq_lens)`` rows of the static buffers."""
+        size = len(seq_lens)
         return ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
-            seq_lens=[*batch.seq_lens, *([1] * pad)],
+            seq_lens=seq_lens,
             extend_lens=[1] * size,
-            page_tables=[*batch.page_tables, *([[0]] * pad)],
+            page_tables=page_tables,
             write_pages=self.write_pages[:size],
             write_slots=self.write_slots[:size],
             logits_indices=self.logits_indices[:size],
@@ -94,19 +101,10 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _capture_all(self) -> None:
-        dummy = ForwardBatch(
-            input_ids=self.input_ids,
-            positions=self.positions,
-            seq_lens=[1] * self.max_batch_size,
-            extend_lens=[1] * self.max_batch_size,
-            page_tables=[[0]] * self.max_batch_size,
-            write_pages=self.write_pages,
-            write_slots=self.write_slots,
-            logits_indices=self.logits_indices,
-        )
-        # Largest first: smaller graphs then reuse the memory pool's blocks.
+        # Largest first: smaller graphs then reuse the memory pool's blocks. The
+        # static buffers hold zeros: every captured row writes and reads page 0.
         for size in reversed(self.sizes):
-            batch = self._padded(dummy, size)
+            batch = self._static_batch([1] * size, [[0]] * size)
             for slot in range(NUM_PLAN_SLOTS):
                 self.attn.begin_graph_forward(batch, slot, self._max_pages[size])
                 side = torch.cuda.Stream(self.device)
