@@ -57,7 +57,8 @@ class DecodeGraphs:
         """Each graph's logits; only read right after its replay (they may share
         memory with other graphs' intermediates in the common pool)."""
         self._pool: tuple[int, int] | None = None
-        self._capture_all()
+        with torch.cuda.device(device):
+            self._capture_all()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (

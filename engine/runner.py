@@ -48,6 +48,10 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            # Kernels without an explicit device (graph capture, library
+            # workspaces) go to the current device: make it this one.
+            torch.cuda.set_device(self.device)
         with _default_dtype(model_config.dtype), torch.device(self.device):
             self.model = build_model(model_config)
         self.model.eval().requires_grad_(False)
