@@ -19,15 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from workers import REPO, free_port, log_tail, stop
+from workers import REPO, launch_gateway, log_tail
 
 from benchmarks import bench_serving as bench
 from benchmarks import compare_pd
@@ -398,35 +396,9 @@ def test_dummy_model_tokenizer_covers_the_vocab(preset: str, tmp_path: Path) -> 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """``python -m gateway`` with its embedded tiny prefill and decode workers."""
-    port = free_port()
     log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, **CPU_ENV},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + GATEWAY_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"gateway exited with {proc.returncode}:\n{log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"gateway not healthy in {GATEWAY_START_TIMEOUT_S}s:\n{log_tail(log_path)}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with launch_gateway([], log_path, GATEWAY_START_TIMEOUT_S, CPU_ENV) as (url, _):
         yield url, log_path
-    finally:
-        stop(proc)
 
 
 @pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])

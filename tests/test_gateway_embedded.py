@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from workers import REPO, free_port, log_tail, stop
+from workers import launch_gateway, log_tail
 
 START_TIMEOUT_S = 120.0
 """The gateway plus two workers loading the model on a small CPU machine."""
@@ -35,30 +33,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_embedded_default_serves_and_stops_cleanly(sig: signal.Signals, tmp_path: Path) -> None:
-    port = free_port()
     log_path = tmp_path / "gateway.log"
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env=env,
-        )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"gateway exited:\n{log_tail(log_path)}"
-            assert time.monotonic() < deadline, f"not healthy:\n{log_tail(log_path)}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-
+    with launch_gateway([], log_path, START_TIMEOUT_S, {"OMP_NUM_THREADS": "1"}) as (url, proc):
         workers = httpx.get(f"{url}/admin/workers", timeout=10).json()["workers"]
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
         pids = []
@@ -85,8 +61,3 @@ def test_embedded_default_serves_and_stops_cleanly(sig: signal.Signals, tmp_path
         while any(_alive(p) for p in pids):
             assert time.monotonic() < deadline, f"workers outlived the gateway: {pids}"
             time.sleep(0.1)
-    except BaseException:
-        print(log_tail(log_path), file=sys.stderr)
-        raise
-    finally:
-        stop(proc)

@@ -4,7 +4,6 @@ the gateway with the KV pages moved between GPUs (NIXL when importable)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from workers import REPO, free_port, log_tail, stop
+from workers import launch_gateway, log_tail
 
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -195,31 +194,15 @@ def test_overlap_with_cuda_graphs_matches_sync(tmp_path: Path) -> None:
 def gateway(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     prefill_dev, decode_dev = _devices()
     backend = "nixl" if nixl_available()[0] else "tcp"
-    port = free_port()
     log_path = tmp_path_factory.mktemp("gpu-gateway") / "gateway.log"
-    cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--prefill-device", prefill_dev, "--decode-device", decode_dev]
-    cmd += ["--transfer-backend", backend, "--model", model_dir]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
+    args = ["--prefill-device", prefill_dev, "--decode-device", decode_dev]
+    args += ["--transfer-backend", backend, "--model", model_dir]
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"gateway exited:\n{log_tail(log_path)}"
-            assert time.monotonic() < deadline, f"not healthy:\n{log_tail(log_path)}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield url
+        with launch_gateway(args, log_path, START_TIMEOUT_S) as (url, _):
+            yield url
     except BaseException:
         print(log_tail(log_path), file=sys.stderr)
         raise
-    finally:
-        stop(proc)
 
 
 def _worker_stats(url: str) -> list[dict]:

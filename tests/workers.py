@@ -178,18 +178,44 @@ def wait_healthy(proc: subprocess.Popen[bytes], port: int, log_path: Path) -> Wo
     """Poll /health until 200 (failing the test if the worker exits or takes
     longer than ``START_TIMEOUT_S``), then read /server_info."""
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"worker exited with {proc.returncode}:\n{log_tail(log_path)}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"worker not healthy after {START_TIMEOUT_S}s:\n{log_tail(log_path)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        time.sleep(0.1)
+    wait_http_ok(proc, f"{url}/health", log_path, START_TIMEOUT_S, "worker")
     info = httpx.get(f"{url}/server_info", timeout=10).json()
     return Worker(url, proc, log_path, info)
+
+
+def wait_http_ok(
+    proc: subprocess.Popen[bytes], url: str, log_path: Path, timeout: float, what: str
+) -> None:
+    """Poll ``url`` until it answers 200; fail the test (with the log's tail)
+    if ``proc`` exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not healthy after {timeout:g}s:\n{log_tail(log_path)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def launch_gateway(
+    args: Sequence[str], log_path: Path, timeout: float, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``python -m gateway ARGS`` on a free port (embedded workers unless ARGS
+    name some); yields its URL and process once /health answers 200, always
+    stops it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port), *args]
+    proc = start_worker(cmd, log_path, env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ok(proc, f"{url}/health", log_path, timeout, "gateway")
+        yield url, proc
+    finally:
+        stop(proc)
 
 
 @contextlib.contextmanager
