@@ -655,6 +655,31 @@ def _full_response(
     return body
 
 
+async def _until(
+    events: AsyncIterator[tuple[int, ChoiceEvent]], deadline: float
+) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    """``events`` until the monotonic ``deadline``, then ``TimeoutError``.
+
+    Invariant: the deadline only ever interrupts the wait for the next event.
+    An ``asyncio.timeout`` around a loop that yields would also fire while the
+    consumer (the response writer) holds control, cancelling it instead of us:
+    the stream would then end without its error event and ``[DONE]``."""
+    it = aiter(events)
+    while True:
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                item = await anext(it)
+        except StopAsyncIteration:
+            return
+        yield item
+
+
+def _loop_time(monotonic_deadline: float) -> float:
+    """A ``time.monotonic`` deadline on the event loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())
+
+
 async def _sse(
     state: GatewayState,
     req: Any,
@@ -726,8 +751,8 @@ async def _sse(
     try:
         # aclosing: leaving this generator (the client went away) must close the
         # merge at once, which cancels the choices and aborts their requests.
-        async with asyncio.timeout(timeout), contextlib.aclosing(_merge_choices(gens)) as merged:
-            async for i, ev in merged:
+        async with contextlib.aclosing(_merge_choices(gens)) as merged:
+            async for i, ev in _until(merged, started + timeout):
                 timing.observe(i, ev)
                 counts[i] += len(ev.token_ids)
                 if i % req.n == 0:

@@ -53,6 +53,8 @@ class Room:
     """(token, logprob, finish_reason) once prefill is done."""
     failed: str | None = None
     aborted: bool = False
+    computed_at: float | None = None
+    """When the prompt's last chunk was computed (the KV transfer's tail starts)."""
 
 
 class PrefillLoop(WorkerLoop):
@@ -86,7 +88,12 @@ class PrefillLoop(WorkerLoop):
         """Rooms the decode engine aborted before their Prefill request came:
         room -> until when a late Prefill for it is refused."""
         self.outbox: list[tuple[bytes, TokenDelta]] = []
-        self.stats_counters = {"transfers_ok": 0, "transfers_failed": 0, "bytes_sent": 0}
+        self.stats_counters: dict[str, float] = {
+            "transfers_ok": 0,
+            "transfers_failed": 0,
+            "bytes_sent": 0,
+            "transfer_tail_seconds": 0.0,
+        }
 
     @property
     def bootstrap_endpoint(self) -> str | None:
@@ -225,6 +232,7 @@ class PrefillLoop(WorkerLoop):
             for r in self.engine.finish(self.engine.launch_batch(batch)):
                 room = self.by_rid[r.rid]
                 room.first = (r.token_id, r.logprob, r.finish_reason)
+                room.computed_at = time.monotonic()
                 # The first token reaches the requester before the transfer ends.
                 self.outbox.append((room.client, step_delta(r)))
             for req in batch.requests:
@@ -268,6 +276,9 @@ class PrefillLoop(WorkerLoop):
                     ),
                 )
                 self.stats_counters["transfers_ok"] += 1
+                if room.computed_at is not None:
+                    tail = time.monotonic() - room.computed_at
+                    self.stats_counters["transfer_tail_seconds"] += tail
             else:
                 self.stats_counters["transfers_failed"] += 1
                 if room.aborted:

@@ -585,6 +585,9 @@ def test_greedy_matches_offline(pd: PD, decode_cache: bool, expected: list[Any])
             check_matches(res, exp, f"{tag} request {i}")
         sent.append(p.stats()["bytes_sent"] - before)
     assert p.stats()["transfers_ok"] == ok_before + 2 * N_REQUESTS
+    # Each transfer's tail (prefill done -> KV landed) is counted, and short.
+    tail = p.stats()["transfer_tail_seconds"]
+    assert 0 < tail / p.stats()["transfers_ok"] < LONG_TIMEOUT_S
     hits = d.stats()["prefix_cache_hit_tokens"] - hits_before
     if decode_cache:
         assert hits > 0, "the second wave should hit the decode worker's prefix cache"

@@ -199,6 +199,7 @@ COUNTER_STATS = frozenset(
         "transfers_failed",
         "bytes_sent",
         "bytes_received",
+        "transfer_tail_seconds",
     }
 )
 """Stats that are counters although their names do not end in ``_total``."""
@@ -215,6 +216,11 @@ METRIC_HELP = {
     "in_flight": "requests accepted on the request plane and not finished",
     "prefix_cache_hit_tokens": "prompt tokens served from the prefix cache",
     "prefix_cache_query_tokens": "prompt tokens looked up in the prefix cache",
+    "transfers_ok": "rooms whose KV reached the decode worker",
+    "transfers_failed": "rooms whose KV transfer failed or was aborted",
+    "bytes_sent": "KV bytes written to decode workers",
+    "transfer_tail_seconds": "time from the end of a prompt's prefill until all of its KV "
+    "had landed, summed over transferred rooms (divide by transfers_ok for the mean)",
 }
 _METRIC_KEY = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
