@@ -153,6 +153,7 @@ class DecodeLoop(WorkerLoop):
     def _on_done(self, room: Room, msg: to_decode.Done) -> None:
         req = room.req
         self.counters["transfers_ok"] += 1
+        log.debug("rid=%s room=%s: KV received, decoding", req.rid, room.room)
         req.num_computed = len(req.fill_ids)
         req.fill_ids.append(msg.first_token)
         req.output_logprobs.append(msg.logprob)
@@ -171,6 +172,9 @@ class DecodeLoop(WorkerLoop):
         """End the request now; free its pages once no write can be in flight."""
         req = room.req
         self.counters["transfers_failed"] += kind == "error"
+        (log.warning if kind == "error" else log.debug)(
+            "rid=%s room=%s: %s in state %s: %s", req.rid, room.room, kind, room.state, reason
+        )
         if room.state == "prealloc":
             self.prealloc.remove(room)
             self._forget_room(room)

@@ -148,7 +148,9 @@ class Dispatcher:
                 last = e
                 if len(tried) >= self.max_attempts:
                     raise e.error() from None
-                log.warning("retrying on another worker: %s", e)
+                log.warning(
+                    "request of %d tokens: retrying on another worker: %s", len(prompt_ids), e
+                )
 
     async def _attempt(
         self,
@@ -158,6 +160,12 @@ class Dispatcher:
         decode: WorkerInfo,
     ) -> AsyncIterator[TokenDelta]:
         rid = secrets.token_hex(16)
+        log.debug(
+            "rid=%s: prefill %s, decode %s",
+            rid,
+            prefill.url if prefill else "-",
+            decode.url,
+        )
         load = len(prompt_ids) + spec.max_tokens
         self.router.begin(decode, load)
         if prefill is not None:

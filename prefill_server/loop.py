@@ -133,6 +133,13 @@ class PrefillLoop(WorkerLoop):
         )
         self.rooms[msg.room] = room
         self.by_rid[msg.rid] = room
+        log.debug(
+            "rid=%s room=%s: prefill of %d tokens for %s",
+            msg.rid,
+            msg.room,
+            len(msg.prompt_ids),
+            msg.decode_bootstrap,
+        )
         early = self.early.pop(msg.room, None)
         if early is not None:
             self._on_reserve(early[0], early[1])
@@ -276,9 +283,14 @@ class PrefillLoop(WorkerLoop):
                     ),
                 )
                 self.stats_counters["transfers_ok"] += 1
-                if room.computed_at is not None:
-                    tail = time.monotonic() - room.computed_at
-                    self.stats_counters["transfer_tail_seconds"] += tail
+                tail = 0.0 if room.computed_at is None else time.monotonic() - room.computed_at
+                self.stats_counters["transfer_tail_seconds"] += tail
+                log.debug(
+                    "rid=%s room=%s: KV landed %.1f ms after prefill",
+                    room.req.rid,
+                    room.room,
+                    tail * 1e3,
+                )
             else:
                 self.stats_counters["transfers_failed"] += 1
                 if room.aborted:
@@ -305,6 +317,9 @@ class PrefillLoop(WorkerLoop):
         room.failed = reason
         room.aborted = aborted
         req = room.req
+        (log.debug if aborted else log.warning)(
+            "rid=%s room=%s: %s: %s", req.rid, room.room, "aborted" if aborted else "failed", reason
+        )
         if req in self.scheduler.waiting:
             self.scheduler.waiting.remove(req)
         elif req in self.scheduler.running:

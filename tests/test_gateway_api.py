@@ -37,6 +37,7 @@ from workers import (
     Worker,
     dump_log,
     free_port,
+    launch_gateway,
     launch_workers,
     log_tail,
     stop,
@@ -1256,6 +1257,33 @@ def test_removed_worker_finishes_its_requests(
         assert got.token_ids == want.token_ids, p
         assert got.finish_reason == "length"
     assert extra_decode.url not in gw.gateway_workers()
+    assert_drained(gw)
+
+
+def test_short_prompts_skip_prefill(gw: Gateway, offline: Offline, tmp_path: Path) -> None:
+    """With --skip-prefill-threshold, prompts up to it go to a decode worker
+    alone (it prefills them itself): no KV moves and the tokens are the same."""
+    args = ["--prefill", gw.prefill.url, "--decode", gw.decode.url]
+    args += ["--skip-prefill-threshold", "64", "--log-level", "warning"]
+    with launch_gateway(args, tmp_path / "gateway-skip.log", GATEWAY_START_TIMEOUT_S) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        transfers = _transfers(gw.decode)
+        for prompt in PROMPTS:
+            ids = offline.encode(prompt)
+            assert len(ids) <= 64
+            (want,) = offline.greedy([ids], 16)
+            resp = client.completions.create(
+                model=MODEL,
+                prompt=ids,
+                max_tokens=16,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            assert extra(resp.choices[0], "token_ids") == want.token_ids, prompt
+        assert _transfers(gw.decode) == transfers, "a short prompt went through prefill"
+        long_ids = (offline.encode(PROMPTS[0]) * 8)[:100]
+        client.completions.create(model=MODEL, prompt=long_ids, max_tokens=2)
+        assert _transfers(gw.decode) == transfers + 1, "a long prompt skipped prefill"
     assert_drained(gw)
 
 
