@@ -235,3 +235,41 @@ def test_pd_across_gpus_matches_offline(gateway: str, model_dir: str) -> None:
         assert time.monotonic() < deadline, f"pools not back: {now} vs {start}"
         time.sleep(0.1)
     assert all(s["running"] == 0 for s in now)
+
+
+def test_pd_with_flashinfer_matches_offline(tmp_path: Path) -> None:
+    """A bf16 model in a kernel head size: prefill (FlashInfer) on GPU 0, KV over
+    NIXL into GPU 1's pool, decode there from CUDA graphs; one request at a time,
+    the tokens equal the offline engine's (same kernels, batch of one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.dummy_model import write_dummy_model
+
+    cfg = {**KERNEL_MODEL, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    model_dir = write_dummy_model(cfg, tmp_path / "kernel-model")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+    hf.save_pretrained(model_dir)  # weights (and its own config.json) beside the tokenizer
+    prefill_dev, decode_dev = _devices()
+    backend = "nixl" if nixl_available()[0] else "tcp"
+    args = ["--model", str(model_dir), "--transfer-backend", backend]
+    args += ["--prefill-device", prefill_dev, "--decode-device", decode_dev]
+    llm = LLM(str(model_dir), device=decode_dev, page_size=16)
+    assert llm.engine.config.attention_backend == "flashinfer"
+    assert llm.engine.runner.graphs is not None
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (7, 33, 150)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    wants = [llm.generate([p], params)[0].token_ids for p in prompts]
+    with launch_gateway(args, tmp_path / "gateway.log", START_TIMEOUT_S) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for p, want in zip(prompts, wants):
+            resp = client.completions.create(
+                model=model,
+                prompt=p,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+            assert (resp.choices[0].model_extra or {}).get("token_ids") == want
