@@ -57,6 +57,8 @@ class DecodeGraphs:
         """Each graph's logits; only read right after its replay (they may share
         memory with other graphs' intermediates in the common pool)."""
         self._pool: tuple[int, int] | None = None
+        self._side = torch.cuda.Stream(device)
+        """Warm-up and capture run here, off the device's current stream."""
         with torch.cuda.device(device):
             self._capture_all()
 
@@ -108,14 +110,16 @@ class DecodeGraphs:
             batch = self._static_batch([1] * size, [[0]] * size)
             for slot in range(NUM_PLAN_SLOTS):
                 self.attn.begin_graph_forward(batch, slot, self._max_pages[size])
-                side = torch.cuda.Stream(self.device)
+                side = self._side
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):  # warm-up outside the graph (lazy inits)
                         self._forward(batch)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                # An explicit stream: torch's default capture stream is made once
+                # per process, on whichever device captured first.
+                with torch.cuda.graph(graph, pool=self._pool, stream=side):
                     out = self._forward(batch)
                 self._pool = graph.pool()
                 self.graphs[(size, slot)] = graph
