@@ -219,13 +219,17 @@ def _check_lengths(
 
 
 async def _choice(
-    state: GatewayState, prompt: list[int], spec: SamplingSpec, stops: list[str]
+    state: GatewayState,
+    prompt: list[int],
+    spec: SamplingSpec,
+    stops: list[str],
+    request_id: str,
 ) -> AsyncIterator[ChoiceEvent]:
     """One completion: detokenized deltas, cut at the first stop string."""
     assert state.tokenizer is not None
     detok = IncrementalDetokenizer(state.tokenizer)
     matcher = StopStringMatcher(stops) if stops else None
-    stream = state.dispatcher.stream(prompt, spec)
+    stream = state.dispatcher.stream(prompt, spec, request_id)
     try:
         async for delta in stream:
             if delta.finish_reason in ("error", "abort"):
@@ -484,7 +488,9 @@ def build_app(state: GatewayState) -> FastAPI:
                 seed = None if req.seed is None else (req.seed + i) % (1 << 63)
                 jobs.append((p_index, ids, _sampling(req, max_tokens, seed, top_k or 0)))
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        gens = [_choice(state, ids, spec, stops) for _, ids, spec in jobs]
+        gens = [
+            _choice(state, ids, spec, stops, f"{rid}-{i}") for i, (_, ids, spec) in enumerate(jobs)
+        ]
         timeout = cfg.request_timeout_s
         started = time.monotonic()
         state.metrics.requests.inc("chat" if chat else "completions")

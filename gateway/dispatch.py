@@ -118,14 +118,20 @@ class Dispatcher:
             raise NoWorkerAvailable("no healthy decode worker")
         return prefill, decode
 
-    async def stream(self, prompt_ids: list[int], spec: SamplingSpec) -> AsyncIterator[TokenDelta]:
+    async def stream(
+        self, prompt_ids: list[int], spec: SamplingSpec, request_id: str | None = None
+    ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas; the last one has ``finish_reason`` set
         ("stop", "length", "abort" or "error" with ``error``). Leaving the
         iterator early aborts the request on every worker that has it.
 
         A worker that fails before the request produced anything is left out
         and the request goes to another one (up to ``max_attempts`` workers);
-        once a delta is out, a failure ends the request."""
+        once a delta is out, a failure ends the request.
+
+        ``request_id`` prefixes the id the workers see (and log), so that a
+        response's id can be followed into the workers' logs."""
+        base = request_id or secrets.token_hex(8)
         tried: set[str] = set()
         last: _NotDispatched | None = None
         while True:
@@ -137,7 +143,8 @@ class Dispatcher:
                 raise last.error() from None
             started = False
             try:
-                async for delta in self._attempt(prompt_ids, spec, prefill, decode):
+                rid = f"{base}-{len(tried)}-{secrets.token_hex(4)}"
+                async for delta in self._attempt(rid, prompt_ids, spec, prefill, decode):
                     started = True
                     yield delta
                 return
@@ -154,12 +161,12 @@ class Dispatcher:
 
     async def _attempt(
         self,
+        rid: str,
         prompt_ids: list[int],
         spec: SamplingSpec,
         prefill: WorkerInfo | None,
         decode: WorkerInfo,
     ) -> AsyncIterator[TokenDelta]:
-        rid = secrets.token_hex(16)
         log.debug(
             "rid=%s: prefill %s, decode %s",
             rid,

@@ -850,7 +850,9 @@ class _EndlessDispatcher:
         self.stopped = False
         """Set at teardown: ends even the streams the gateway leaked."""
 
-    async def stream(self, prompt_ids: list[int], spec: Any) -> AsyncIterator[TokenDelta]:
+    async def stream(
+        self, prompt_ids: list[int], spec: Any, request_id: str | None = None
+    ) -> AsyncIterator[TokenDelta]:
         self.started += 1
         self.open += 1
         try:

@@ -102,12 +102,14 @@ def test_dead_worker_is_skipped_before_dispatch() -> None:
             router, (w_dead, w_live) = router_with(dead, live.endpoint)
             d = Dispatcher(router, timeout_s=10, connect_timeout_s=CONNECT_TIMEOUT_S)
             try:
-                deltas = await collect(d.stream([1, 2, 3], SPEC))
+                deltas = await collect(d.stream([1, 2, 3], SPEC, "cmpl-abc-0"))
             finally:
                 await d.close()
             assert [t for x in deltas for t in x.token_ids] == [10, 11, 12]
             assert deltas[-1].finish_reason == "length"
             assert len(live.requests) == 1
+            # The workers see the response's id (and which attempt this was).
+            assert live.requests[0].startswith("cmpl-abc-0-1-")
             # The dead worker is blamed (breaker), the live one is not; loads are back.
             assert w_dead.breaker.failures == 1 and w_live.breaker.failures == 0
             assert w_dead.outstanding_requests == w_live.outstanding_requests == 0
