@@ -24,7 +24,6 @@ import random
 import statistics
 import sys
 import time
-import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.agent_process import AgentProcess  # noqa: E402
 from benchmarks.common import git_commit  # noqa: E402
 from engine.config import DTYPES, ModelConfig  # noqa: E402
 from engine.kvcache.pool import KVPool, KVPoolConfig  # noqa: E402
@@ -46,24 +46,6 @@ CALL_TIMEOUT_S = 600.0
 
 
 # ------------------------------------------------------------ worker process
-
-
-def _worker_main(conn: Any) -> None:
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    state: dict[str, Any] = {}
-    while True:
-        cmd, args = conn.recv()
-        try:
-            if cmd == "exit":
-                if "backend" in state:
-                    state["backend"].close()
-                conn.send(("ok", None))
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
-            conn.send(("ok", _serve(state, cmd, *args)))
-        except BaseException:
-            conn.send(("err", traceback.format_exc()))
 
 
 def _sync(kv: torch.Tensor) -> None:
@@ -118,36 +100,6 @@ def _serve(state: dict[str, Any], cmd: str, *args: Any) -> Any:
     raise ValueError(f"unknown command {cmd!r}")
 
 
-class Worker:
-    def __init__(self, ctx: Any, name: str) -> None:
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-
-    def call(self, cmd: str, *args: Any) -> Any:
-        self.conn.send((cmd, args))
-        if not self.conn.poll(CALL_TIMEOUT_S):
-            raise TimeoutError(f"worker {self.name} did not answer {cmd!r}")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"worker {self.name} failed {cmd!r}:\n{value}")
-        return value
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("exit", ()))
-                self.conn.poll(10)
-        except (OSError, EOFError):
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-
 # ------------------------------------------------------------------ driver
 
 
@@ -193,7 +145,9 @@ def bench_backend(
         return KVPoolConfig(num_pages, args.page_size, layers, kv_heads, head_dim, dtype, device)
 
     ctx = mp.get_context("spawn")
-    src, dst = Worker(ctx, f"{backend}-src"), Worker(ctx, f"{backend}-dst")
+    src, dst = (
+        AgentProcess(ctx, f"{backend}-{side}", _serve, CALL_TIMEOUT_S) for side in ("src", "dst")
+    )
     rows = []
     try:
         src.call("setup", backend, "bench-src", kwargs, cfg(args.src_device), 1)

@@ -738,14 +738,16 @@ def test_stop_strings_lengths_and_seeds(gw: Gateway, offline: Offline) -> None:
 # -- concurrency and disconnects ------------------------------------------------------
 
 
-async def _stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> Streamed:
+async def _stream_one(
+    client: openai.AsyncOpenAI, prompt: str, max_tokens: int, ignore_eos: bool = False
+) -> Streamed:
     stream = await client.completions.create(
         model=MODEL,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
-        extra_body={"return_token_ids": True},
+        extra_body={"return_token_ids": True, "ignore_eos": ignore_eos},
     )
     out = Streamed()
     async for chunk in stream:
@@ -754,10 +756,8 @@ async def _stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) 
     return out
 
 
-def test_concurrent_streams(gw: Gateway, offline: Offline) -> None:
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} number {i}" for i in range(32)]
-    max_tokens = 12
-    wants = offline.greedy([offline.encode(p) for p in prompts], max_tokens)
+def _stream_all(gw: Gateway, prompts: list[str], max_tokens: int) -> list[Streamed]:
+    """Stream every prompt at once (greedy), each on its own connection."""
 
     async def run() -> list[Streamed]:
         client = gw.aclient()
@@ -766,7 +766,14 @@ def test_concurrent_streams(gw: Gateway, offline: Offline) -> None:
         finally:
             await client.close()
 
-    results = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_concurrent_streams(gw: Gateway, offline: Offline) -> None:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} number {i}" for i in range(32)]
+    max_tokens = 12
+    wants = offline.greedy([offline.encode(p) for p in prompts], max_tokens)
+    results = _stream_all(gw, prompts, max_tokens)
     for p, got, want in zip(prompts, results, wants):
         assert got.prompt_token_ids == want.prompt_token_ids, p
         assert got.token_ids == want.token_ids, p
@@ -1171,15 +1178,7 @@ def _burst(gw: Gateway, offline: Offline, n: int, tag: str) -> None:
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {tag} {i}" for i in range(n)]
     max_tokens = 24
     wants = offline.greedy([offline.encode(p) for p in prompts], max_tokens)
-
-    async def run() -> list[Streamed]:
-        client = gw.aclient()
-        try:
-            return await asyncio.gather(*(_stream_one(client, p, max_tokens) for p in prompts))
-        finally:
-            await client.close()
-
-    for p, got, want in zip(prompts, asyncio.run(run()), wants):
+    for p, got, want in zip(prompts, _stream_all(gw, prompts, max_tokens), wants):
         assert got.token_ids == want.token_ids, p
         assert got.text == offline.decode(want.token_ids), p
 
@@ -1225,23 +1224,11 @@ def test_removed_worker_finishes_its_requests(
 
     async def run() -> list[Streamed]:
         client = gw.aclient()
-
-        async def one(p: str) -> Streamed:
-            stream = await client.completions.create(
-                model=MODEL,
-                prompt=p,
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                extra_body={"return_token_ids": True, "ignore_eos": True},
-            )
-            out = Streamed()
-            async for chunk in stream:
-                _add_chunk(out, chunk, chat=False)
-            return out
-
         try:
-            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            tasks = [
+                asyncio.create_task(_stream_one(client, p, max_tokens, ignore_eos=True))
+                for p in prompts
+            ]
             deadline = time.monotonic() + 30
             while extra_decode.stats()["running"] == 0:
                 assert time.monotonic() < deadline, "the added worker never got a request"

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
-import os
 import random
-import sys
 import time
-import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +17,7 @@ import msgspec
 import pytest
 import torch
 
+from benchmarks.agent_process import AgentProcess
 from engine.kvcache.pool import KVPool, KVPoolConfig
 from kvtransfer import TRANSFER_BACKENDS, backend_class, make_backend
 from kvtransfer.backend import ByteRange, TransferError, TransferState
@@ -63,26 +61,6 @@ def initial_kv(cfg: KVPoolConfig, seed: int) -> torch.Tensor:
     return pool.kv
 
 
-def _agent_main(conn: Any) -> None:
-    """Child process: serve commands from the test until told to exit."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    state: dict[str, Any] = {}
-    while True:
-        cmd, args = conn.recv()
-        try:
-            if cmd == "exit":
-                if "backend" in state:
-                    state["backend"].close()
-                conn.send(("ok", None))
-                # Skip interpreter teardown (about a second with torch loaded).
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
-            conn.send(("ok", _handle(state, cmd, *args)))
-        except BaseException:
-            conn.send(("err", traceback.format_exc()))
-
-
 def _handle(state: dict[str, Any], cmd: str, *args: Any) -> Any:
     if cmd == "setup":
         backend, name, kwargs, cfg, seed = args
@@ -111,52 +89,14 @@ def _handle(state: dict[str, Any], cmd: str, *args: Any) -> Any:
     raise ValueError(f"unknown command {cmd!r}")
 
 
-class Agent:
-    def __init__(self, ctx: Any, name: str) -> None:
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent_main, args=(child,), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-
-    def call(self, cmd: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
-        self.conn.send((cmd, args))
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"agent {self.name} did not answer {cmd!r} within {timeout}s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"agent {self.name} failed {cmd!r}:\n{value}")
-        return value
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("exit", timeout=5)
-        except (OSError, EOFError, TimeoutError, RuntimeError):
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
 @pytest.fixture
 def spawn() -> Iterator[Any]:
-    """``spawn(name) -> Agent``; every agent is stopped when the test ends."""
+    """``spawn(name) -> AgentProcess``; every agent is stopped when the test ends."""
     ctx = mp.get_context("spawn")
-    agents: list[Agent] = []
+    agents: list[AgentProcess] = []
 
-    def make(name: str) -> Agent:
-        agent = Agent(ctx, name)
+    def make(name: str) -> AgentProcess:
+        agent = AgentProcess(ctx, name, _handle, CALL_TIMEOUT_S)
         agents.append(agent)
         return agent
 
@@ -213,7 +153,7 @@ def assert_pages_moved(
 
 def setup_pair(
     spawn: Any, backend: str, cfg: KVPoolConfig, kwargs: dict[str, Any] | None = None
-) -> tuple[Agent, Agent, bytes]:
+) -> tuple[AgentProcess, AgentProcess, bytes]:
     kwargs = BACKEND_KWARGS[backend] if kwargs is None else kwargs
     src, dst = spawn("prefill"), spawn("decode")
     src_md = src.call("setup", backend, "prefill", kwargs, cfg, 1)
