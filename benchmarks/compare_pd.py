@@ -27,7 +27,6 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -46,6 +43,7 @@ from benchmarks import bench_serving  # noqa: E402
 from benchmarks.dummy_model import write_dummy_model  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 from engine.worker.cli import CLUSTER_TOKEN_ENV  # noqa: E402
+from engine.worker.processes import free_port, stop_processes, wait_http_ok  # noqa: E402
 
 STOP_TIMEOUT_S = 30.0
 LABELS = {"pd": "disaggregated", "colocated": "colocated"}
@@ -57,12 +55,6 @@ class Process:
     proc: subprocess.Popen[bytes]
     log_path: Path
     url: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -96,30 +88,13 @@ def wait_healthy(procs: Sequence[Process], timeout_s: float) -> None:
     """Poll each process's /health until 200; raise if one exits or the deadline passes."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
-        while True:
-            if p.proc.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.proc.returncode} during start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{p.name} not healthy after {timeout_s:g}s")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{p.url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
+        left = max(0.0, deadline - time.monotonic())
+        wait_http_ok(p.proc, f"{p.url}/health", left, p.name, poll_s=0.2)
 
 
 def stop_all(procs: Sequence[Process]) -> None:
     """SIGTERM all (in order), wait, SIGKILL the process group of any that lingers."""
-    for p in procs:
-        if p.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.proc.pid, signal.SIGKILL)
-            p.proc.wait(10)
+    stop_processes([p.proc for p in procs], STOP_TIMEOUT_S)
 
 
 def worker_cmd(

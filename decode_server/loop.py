@@ -33,6 +33,7 @@ from engine.worker.loop import (
     WorkerLoop,
     engine_stats,
     error_delta,
+    idle_wait,
     step_delta,
     to_sampling_params,
 )
@@ -40,8 +41,6 @@ from kvtransfer import to_decode, to_prefill
 from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT_S = 0.0005
 
 
 @dataclass(eq=False)
@@ -211,9 +210,7 @@ class DecodeLoop(WorkerLoop):
         # are read back and streamed.
         self.inflight, results = self.engine.overlap_step(self.inflight)
         if not (had_events or results or self.outbox or self.inflight):
-            # Only rooms waiting on the KV plane, whose socket the engine
-            # process does not poll: back off instead of spinning a core.
-            time.sleep(IDLE_WAIT_S)
+            idle_wait()
         for r in results:
             delta = step_delta(r)
             if r.finish_reason is None:

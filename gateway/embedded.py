@@ -3,17 +3,17 @@ prefill and one local decode worker and stops them when it stops."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-import httpx
+from engine.worker.processes import free_port, stop_processes, wait_http_ok
+
+STOP_TIMEOUT_S = 30.0
+"""How long a worker may take to exit after SIGTERM before it is killed."""
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,6 @@ class EmbeddedConfig:
     kv_cache_memory_gb: float = 0.25
     start_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedWorkers:
@@ -63,7 +57,7 @@ class EmbeddedWorkers:
     def __enter__(self) -> EmbeddedWorkers:
         c = self.config
         env = {**os.environ, "DISAGG_CLUSTER_TOKEN": self.cluster_token}
-        ports = (_free_port(), _free_port())
+        ports = (free_port(), free_port())
         specs = (
             ("prefill_server", "prefill", ports[0], c.prefill_device or c.device),
             ("decode_server", "decode", ports[1], c.decode_device or c.device),
@@ -88,28 +82,11 @@ class EmbeddedWorkers:
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
         for proc, url in zip(self.procs, (self.prefill_url, self.decode_url)):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"embedded worker {url} exited with {proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"embedded worker {url} not healthy after {self.config.start_timeout_s:g}s"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.1)
+            left = max(0.0, deadline - time.monotonic())
+            wait_http_ok(proc, f"{url}/health", left, f"embedded worker {url}")
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_processes(self.procs, STOP_TIMEOUT_S)
         self.procs = []
 
     def __exit__(self, *exc: object) -> None:

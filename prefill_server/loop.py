@@ -25,6 +25,7 @@ from engine.worker.loop import (
     WorkerLoop,
     engine_stats,
     error_delta,
+    idle_wait,
     step_delta,
     to_sampling_params,
 )
@@ -34,8 +35,6 @@ from kvtransfer.prefill_side import PrefillKVPlane
 from prefill_server.scheduler import PREFILL_DONE, PrefillScheduler
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT_S = 0.0005
 
 
 @dataclass(eq=False)
@@ -248,9 +247,7 @@ class PrefillLoop(WorkerLoop):
                     self._push(room)
         self._finish_rooms()
         if batch is None and not events and not self.outbox:
-            # Rooms wait on the KV plane, whose socket the engine process does
-            # not poll: back off instead of spinning a core.
-            time.sleep(IDLE_WAIT_S)
+            idle_wait()
         out, self.outbox = self.outbox, []
         return out
 

@@ -4,12 +4,12 @@ worker only while nothing was produced, and clients of departed workers closed."
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
 import zmq
 import zmq.asyncio
+from workers import free_port
 
 from engine.protocol import to_gateway, to_worker
 from engine.protocol.client import WorkerDisconnected, WorkerUnreachable
@@ -19,12 +19,6 @@ from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.router import Router, RouterConfig, WorkerInfo
 
 CONNECT_TIMEOUT_S = 0.3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeWorker:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from workers import free_port
 
 from gateway.router import (
     DECODE_POLICIES,
@@ -62,12 +62,6 @@ def add(router: Router, url: str, role: str) -> WorkerInfo:
             bootstrap_endpoint=None if role == "both" else f"tcp://{url}:2",
         )
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- config and registries ---------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,15 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.worker import processes
+from engine.worker.processes import free_port as free_port  # re-exported for the tests
+from engine.worker.processes import stop_processes
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0
 """How long a worker may take to answer /health with 200."""
 STOP_TIMEOUT_S = 30.0
 """How long a worker may take to exit after SIGTERM before it is killed."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -111,23 +108,12 @@ def dump_log(config: pytest.Config, path: Path, lines: int = 200) -> None:
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM, wait, then SIGKILL if it lingers."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    stop_processes([proc], STOP_TIMEOUT_S)
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     """Stop several workers at once (SIGTERM to all first, then wait)."""
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        stop(proc)
+    stop_processes(procs, STOP_TIMEOUT_S)
 
 
 def worker_cmd(
@@ -188,16 +174,10 @@ def wait_http_ok(
 ) -> None:
     """Poll ``url`` until it answers 200; fail the test (with the log's tail)
     if ``proc`` exits first or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"{what} exited with {proc.returncode}:\n{log_tail(log_path)}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not healthy after {timeout:g}s:\n{log_tail(log_path)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
+    try:
+        processes.wait_http_ok(proc, url, timeout, what)
+    except RuntimeError as e:
+        pytest.fail(f"{e}:\n{log_tail(log_path)}")
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ plane drives, and ``ColocatedLoop`` (role "both") over ``engine.engine.Engine``.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -14,6 +15,15 @@ from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
 from engine.request import EngineRequestError, StepOutput
 from engine.sampling_params import InvalidSamplingParams, SamplingParams
 from engine.worker.config import WorkerConfig
+
+IDLE_WAIT_S = 0.0005
+
+
+def idle_wait() -> None:
+    """Back off briefly when only rooms waiting on the KV plane are left: the
+    engine process polls the request socket, not the KV plane's, so the loop
+    would otherwise spin a core."""
+    time.sleep(IDLE_WAIT_S)
 
 
 class WorkerLoop(ABC):
