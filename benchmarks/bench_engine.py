@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_commit  # noqa: E402
+from benchmarks.common import git_commit, host_info  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -32,12 +31,7 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def machine_info(device: str) -> dict:
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    info["cpu"] = platform.processor() or platform.machine()
+    info = {**host_info(), "torch": torch.__version__}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info

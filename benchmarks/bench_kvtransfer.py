@@ -18,8 +18,6 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
-import os
-import platform
 import random
 import statistics
 import sys
@@ -33,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.agent_process import AgentProcess  # noqa: E402
-from benchmarks.common import git_commit  # noqa: E402
+from benchmarks.common import git_commit, host_info  # noqa: E402
 from engine.config import DTYPES, ModelConfig  # noqa: E402
 from engine.kvcache.pool import KVPool, KVPoolConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -195,13 +193,7 @@ def bench_backend(
 
 
 def machine_info(devices: list[str]) -> dict:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-    }
+    info: dict[str, Any] = {**host_info(), "torch": torch.__version__}
     gpus = sorted({d for d in devices if d.startswith("cuda")})
     if gpus:
         info["gpus"] = {d: torch.cuda.get_device_name(torch.device(d)) for d in gpus}

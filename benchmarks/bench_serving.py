@@ -29,7 +29,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import shlex
 import subprocess
@@ -46,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_commit  # noqa: E402
+from benchmarks.common import git_commit, host_info  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "serving.jsonl"
 ENDPOINTS = {"openai-completions": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -547,21 +546,8 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-    }
+    info = host_info()
     # nvidia-smi rather than torch: the benchmark client must stay light.
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         lines = subprocess.run(

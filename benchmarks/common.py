@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 
 def git_commit() -> str:
@@ -14,3 +18,21 @@ def git_commit() -> str:
         ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def host_info() -> dict[str, Any]:
+    """The facts of this host every result record carries (torch-free)."""
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+    }
