@@ -131,7 +131,7 @@ class DecodeGraphs:
         b = batch.num_requests
         size = next(s for s in self.sizes if s >= b)
         padded = self._padded(batch, size)
-        slot = self.attn.next_graph_slot()
+        slot = self.attn.next_slot()
         self.attn.begin_graph_forward(padded, slot, self._max_pages[size])
         self.graphs[(size, slot)].replay()
         return self._outputs[(size, slot)][:b]

@@ -113,7 +113,11 @@ class FlashInferAttention(AttentionBackend):
 
     # -- planning
 
-    def _page_table(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
+    def _plan_args(self, batch: ForwardBatch) -> tuple[list[Any], dict[str, Any]]:
+        """What both wrappers' plan() take after the query layout: the page
+        table, the shapes and the dtypes. The page table goes in as host
+        tensors (plan() schedules on the host and queues their copies), the
+        page indices already on the device."""
         ps = self.pool.page_size
         indptr, indices, last_len = [0], [], []
         for seq_len, table in zip(batch.seq_lens, batch.page_tables):
@@ -121,57 +125,39 @@ class FlashInferAttention(AttentionBackend):
             indices.extend(table[:n])
             indptr.append(indptr[-1] + n)
             last_len.append(seq_len - (n - 1) * ps)
-        return indptr, indices, last_len
-
-    def _take_slot(self, slot: int | None = None) -> _PlanSlot:
-        if self._current is not None:
-            self._current.release()  # the previous forward is fully queued
-        if slot is None:
-            slot = self.next_graph_slot()
-        s = self._slots[slot]
-        s.wait_reusable()
-        self._current = s
-        return s
-
-    def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
-        indptr, indices, last_len = self._page_table(batch)
-        wrapper.plan(
+        args = [
             _host(indptr),
             _host(indices).to(self.pool.kv.device, non_blocking=True),
             _host(last_len),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.pool.page_size,
-            q_data_type=self.pool.kv.dtype,
-            kv_data_type=self.pool.kv.dtype,
-            sm_scale=self.scale,
-        )
+            ps,
+        ]
+        dtype = self.pool.kv.dtype
+        return args, {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": self.scale}
+
+    def _take_slot(self, slot: int | None = None) -> _PlanSlot:
+        if self._current is not None:
+            self._current.release()  # the previous forward is fully queued
+        if slot is None:
+            slot = self.next_slot()
+        s = self._slots[slot]
+        s.wait_reusable()
+        self._current = s
+        return s
 
     def begin_forward(self, batch: ForwardBatch) -> None:
         slot = self._take_slot()
+        args, kwargs = self._plan_args(batch)
         if batch.is_decode:
-            self._plan_decode(slot.decode, batch)
+            slot.decode.plan(*args, **kwargs)
             self._wrapper = slot.decode
         else:
-            indptr, indices, last_len = self._page_table(batch)
             qo_indptr = [0]
             for n in batch.extend_lens:
                 qo_indptr.append(qo_indptr[-1] + n)
-            slot.prefill.plan(
-                _host(qo_indptr),
-                _host(indptr),
-                _host(indices).to(self.pool.kv.device, non_blocking=True),
-                _host(last_len),
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.pool.page_size,
-                causal=True,
-                q_data_type=self.pool.kv.dtype,
-                kv_data_type=self.pool.kv.dtype,
-                sm_scale=self.scale,
-            )
+            slot.prefill.plan(_host(qo_indptr), *args, causal=True, **kwargs)
             self._wrapper = slot.prefill
         self._batch = batch
 
@@ -184,11 +170,12 @@ class FlashInferAttention(AttentionBackend):
         (slot, size) put there."""
         s = self._take_slot(slot)
         wrapper = s.graph_wrapper(batch.num_requests, max_pages)
-        self._plan_decode(wrapper, batch)
+        args, kwargs = self._plan_args(batch)
+        wrapper.plan(*args, **kwargs)
         self._wrapper = wrapper
         self._batch = batch
 
-    def next_graph_slot(self) -> int:
+    def next_slot(self) -> int:
         """The slot the next forward plans into (graphs are captured per slot)."""
         slot, self._next_slot = self._next_slot, (self._next_slot + 1) % NUM_PLAN_SLOTS
         return slot
