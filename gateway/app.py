@@ -603,10 +603,13 @@ class _Timing:
         self.last[i] = t
 
 
-def _tops(events: list[ChoiceEvent]) -> TopLogprobs:
+def _joined(events: list[ChoiceEvent]) -> tuple[list[int], list[float], TopLogprobs]:
+    """The token ids, logprobs and top logprobs of ``events``, in order."""
+    ids = [t for e in events for t in e.token_ids]
+    lps = [x for e in events for x in e.logprobs]
     if all(e.top_logprobs is None for e in events):
-        return None
-    return [t for e in events for t in (e.top_logprobs or [[] for _ in e.token_ids])]
+        return ids, lps, None
+    return ids, lps, [t for e in events for t in (e.top_logprobs or [[] for _ in e.token_ids])]
 
 
 def _full_response(
@@ -622,9 +625,7 @@ def _full_response(
     counts, cached = [], []
     for index, ((_p, ids, _spec), events) in enumerate(zip(jobs, results)):
         text = "".join(e.text for e in events)
-        toks = [t for e in events for t in e.token_ids]
-        lps = [x for e in events for x in e.logprobs]
-        tops = _tops(events)
+        toks, lps, tops = _joined(events)
         finish = events[-1].finish_reason if events else "stop"
         counts.append(len(toks))
         cached.append(
@@ -767,9 +768,8 @@ async def _sse(
                     held[i].append(ev)
                     continue
                 events, held[i] = [*held[i], ev], []
-                ids = [t for e in events for t in e.token_ids]
-                lps = [x for e in events for x in e.logprobs]
-                logprobs = view.logprobs(ids, lps, _tops(events), text_offset[i])
+                ids, lps, tops = _joined(events)
+                logprobs = view.logprobs(ids, lps, tops, text_offset[i])
                 if logprobs is not None and not chat:
                     text_offset[i] += sum(len(t) for t in logprobs["tokens"])
                 if chat:

@@ -177,7 +177,7 @@ class Dispatcher:
         self.router.begin(decode, load)
         if prefill is not None:
             self.router.begin(prefill, len(prompt_ids))
-        failed: list[WorkerInfo] = []
+        failed: set[WorkerInfo] = set()
         # aclosing: leaving this iterator early closes the worker streams now
         # (which aborts the request on the workers), not when the inner
         # generators happen to be garbage-collected.
@@ -201,7 +201,7 @@ class Dispatcher:
                 async for delta, _source in merged:
                     yield delta
         except _NotDispatched as e:
-            failed.append(e.worker)  # could not be handed over (no endpoint, no client)
+            failed.add(e.worker)  # also one that could not be handed the request
             raise
         finally:
             # Only a worker that failed counts against its breaker; a client
@@ -212,7 +212,7 @@ class Dispatcher:
 
 
 async def _watch(
-    gen: AsyncIterator[TokenDelta], worker: WorkerInfo, failed: list[WorkerInfo]
+    gen: AsyncIterator[TokenDelta], worker: WorkerInfo, failed: set[WorkerInfo]
 ) -> AsyncIterator[TokenDelta]:
     """``gen``, noting in ``failed`` whether ``worker`` failed the request; a
     lost connection before the first delta is raised as ``_NotDispatched``
@@ -222,10 +222,10 @@ async def _watch(
         async for delta in gen:
             first = False
             if delta.finish_reason == "error":
-                failed.append(worker)
+                failed.add(worker)
             yield delta
     except WorkerError as e:
-        failed.append(worker)
+        failed.add(worker)
         if first and isinstance(e, (WorkerUnreachable, WorkerDisconnected, WorkerClientClosed)):
             raise _NotDispatched(worker, e) from e
         raise
