@@ -3,6 +3,7 @@ the gateway with the KV pages moved between GPUs (NIXL when importable)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -190,11 +191,12 @@ def test_overlap_with_cuda_graphs_matches_sync(tmp_path: Path) -> None:
     assert outs[0] == outs[1]
 
 
-@pytest.fixture(scope="module")
-def gateway(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def _pd_gateway(model_dir: str, log_path: Path) -> Iterator[str]:
+    """The embedded gateway on ``model_dir``: prefill on the first GPU, decode on
+    the second (NIXL when importable); its log is printed when anything fails."""
     prefill_dev, decode_dev = _devices()
     backend = "nixl" if nixl_available()[0] else "tcp"
-    log_path = tmp_path_factory.mktemp("gpu-gateway") / "gateway.log"
     args = ["--prefill-device", prefill_dev, "--decode-device", decode_dev]
     args += ["--transfer-backend", backend, "--model", model_dir]
     try:
@@ -205,6 +207,25 @@ def gateway(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         raise
 
 
+def _greedy_ids(client: openai.OpenAI, prompt: list[int], **extra: bool) -> list[int]:
+    """The token ids of one greedy completion of MAX_TOKENS."""
+    model = client.models.list().data[0].id
+    resp = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, **extra},
+    )
+    return (resp.choices[0].model_extra or {}).get("token_ids")
+
+
+@pytest.fixture(scope="module")
+def gateway(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _pd_gateway(model_dir, tmp_path_factory.mktemp("gpu-gateway") / "gateway.log") as url:
+        yield url
+
+
 def _worker_stats(url: str) -> list[dict]:
     workers = httpx.get(f"{url}/admin/workers", timeout=10).json()["workers"]
     return [httpx.get(f"{w['url']}/server_info", timeout=10).json()["stats"] for w in workers]
@@ -213,20 +234,12 @@ def _worker_stats(url: str) -> list[dict]:
 def test_pd_across_gpus_matches_offline(gateway: str, model_dir: str) -> None:
     start = _worker_stats(gateway)
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
     llm = LLM(model_dir, device=_devices()[1], page_size=16)
     tok = llm.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     wants = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     for p_ids, want in zip(ids, wants):
-        resp = client.completions.create(
-            model=model,
-            prompt=p_ids,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            extra_body={"return_token_ids": True},
-        )
-        assert (resp.choices[0].model_extra or {}).get("token_ids") == want.token_ids
+        assert _greedy_ids(client, p_ids) == want.token_ids
     deadline = time.monotonic() + 10
     while True:
         now = _worker_stats(gateway)
@@ -250,26 +263,14 @@ def test_pd_with_flashinfer_matches_offline(tmp_path: Path) -> None:
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
     hf.save_pretrained(model_dir)  # weights (and its own config.json) beside the tokenizer
-    prefill_dev, decode_dev = _devices()
-    backend = "nixl" if nixl_available()[0] else "tcp"
-    args = ["--model", str(model_dir), "--transfer-backend", backend]
-    args += ["--prefill-device", prefill_dev, "--decode-device", decode_dev]
-    llm = LLM(str(model_dir), device=decode_dev, page_size=16)
+    llm = LLM(str(model_dir), device=_devices()[1], page_size=16)
     assert llm.engine.config.attention_backend == "flashinfer"
     assert llm.engine.runner.graphs is not None
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (7, 33, 150)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     wants = [llm.generate([p], params)[0].token_ids for p in prompts]
-    with launch_gateway(args, tmp_path / "gateway.log", START_TIMEOUT_S) as (url, _):
+    with _pd_gateway(str(model_dir), tmp_path / "gateway.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
         for p, want in zip(prompts, wants):
-            resp = client.completions.create(
-                model=model,
-                prompt=p,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True},
-            )
-            assert (resp.choices[0].model_extra or {}).get("token_ids") == want
+            assert _greedy_ids(client, p, ignore_eos=True) == want
