@@ -27,7 +27,7 @@ from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingBatch  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
 
 
 def machine_info(device: str) -> dict:

@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.dummy_model import write_dummy_model  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
-from engine.worker.cli import CLUSTER_TOKEN_ENV  # noqa: E402
-from engine.worker.processes import free_port, stop_processes, wait_http_ok  # noqa: E402
+from worker.cli import CLUSTER_TOKEN_ENV  # noqa: E402
+from worker.processes import free_port, stop_processes, wait_http_ok  # noqa: E402
 
 STOP_TIMEOUT_S = 30.0
 LABELS = {"pd": "disaggregated", "colocated": "colocated"}

@@ -23,22 +23,20 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.engine import Engine, InFlight
-from engine.protocol.to_gateway import TokenDelta
-from engine.protocol.to_worker import Generate, Prefill
 from engine.request import EngineRequestError, Request
-from engine.sampling_params import InvalidSamplingParams
-from engine.worker.config import WorkerConfig
-from engine.worker.kv_setup import engine_compat, kv_backend
-from engine.worker.loop import (
+from kvtransfer import to_decode, to_prefill
+from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
+from worker.config import WorkerConfig
+from worker.kv_setup import engine_compat, kv_backend
+from worker.loop import (
     WorkerLoop,
     engine_stats,
     error_delta,
     idle_wait,
     step_delta,
-    to_sampling_params,
 )
-from kvtransfer import to_decode, to_prefill
-from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +93,8 @@ class DecodeLoop(WorkerLoop):
             )
             return
         try:
-            req = self.engine.build_request(
-                msg.rid, msg.prompt_ids, to_sampling_params(msg.sampling)
-            )
-        except (EngineRequestError, InvalidSamplingParams) as e:
+            req = self.engine.build_request(msg.rid, msg.prompt_ids, msg.sampling)
+        except EngineRequestError as e:
             self.outbox.append((client, error_delta(msg.rid, str(e))))
             return
         self.clients[msg.rid] = client

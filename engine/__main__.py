@@ -6,7 +6,7 @@ import argparse
 import time
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:

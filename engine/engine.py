@@ -10,8 +10,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.request import EngineRequestError, Request, StepOutput
 from engine.runner import ForwardOutput, ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
+from protocol.sampling import SamplingParams
 
 
 class InFlight(NamedTuple):

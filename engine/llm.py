@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kvcache.radix import RadixNode

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 __all__ = ["SEED_LIMIT", "SampleOutput", "SamplingBatch", "fold_seed", "sample"]
 

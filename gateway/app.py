@@ -17,10 +17,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from engine.protocol import tokenizer_files
-from engine.protocol.client import WorkerError
-from engine.protocol.to_worker import SamplingSpec
-from engine.sampling_params import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.metrics import GatewayMetrics
@@ -34,6 +30,9 @@ from gateway.openai_types import (
 from gateway.router import HealthChecker, Router
 from gateway.router import WorkerError as RouterWorkerError
 from gateway.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from protocol import tokenizer_files
+from protocol.client import WorkerError
+from protocol.sampling import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
 
 log = logging.getLogger("gateway")
 
@@ -134,7 +133,7 @@ def _sampling(
     max_tokens: int,
     seed: int | None,
     top_logprobs: int,
-) -> SamplingSpec:
+) -> SamplingParams:
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -149,17 +148,7 @@ def _sampling(
         )
     except InvalidSamplingParams as e:
         raise APIError(400, str(e), param=e.param) from None
-    return SamplingSpec(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        seed=params.seed,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        top_logprobs=params.top_logprobs,
-    )
+    return params
 
 
 def _num_top_logprobs(req: ChatCompletionRequest | CompletionRequest, chat: bool) -> int | None:
@@ -221,7 +210,7 @@ def _check_lengths(
 async def _choice(
     state: GatewayState,
     prompt: list[int],
-    spec: SamplingSpec,
+    spec: SamplingParams,
     stops: list[str],
     request_id: str,
 ) -> AsyncIterator[ChoiceEvent]:

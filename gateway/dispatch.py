@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from engine.protocol.client import (
+from gateway.router import Router, WorkerInfo
+from protocol.client import (
     DEFAULT_CONNECT_TIMEOUT_S,
     WorkerClient,
     WorkerClientClosed,
@@ -19,9 +20,9 @@ from engine.protocol.client import (
     WorkerError,
     WorkerUnreachable,
 )
-from engine.protocol.to_gateway import TokenDelta
-from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
-from gateway.router import Router, WorkerInfo
+from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
 
 log = logging.getLogger("gateway.dispatch")
 
@@ -119,7 +120,7 @@ class Dispatcher:
         return prefill, decode
 
     async def stream(
-        self, prompt_ids: list[int], spec: SamplingSpec, request_id: str | None = None
+        self, prompt_ids: list[int], spec: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas; the last one has ``finish_reason`` set
         ("stop", "length", "abort" or "error" with ``error``). Leaving the
@@ -163,7 +164,7 @@ class Dispatcher:
         self,
         rid: str,
         prompt_ids: list[int],
-        spec: SamplingSpec,
+        spec: SamplingParams,
         prefill: WorkerInfo | None,
         decode: WorkerInfo,
     ) -> AsyncIterator[TokenDelta]:

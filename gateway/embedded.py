@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from engine.worker.processes import free_port, stop_processes, wait_http_ok
+from worker.processes import free_port, stop_processes, wait_http_ok
 
 STOP_TIMEOUT_S = 30.0
 """How long a worker may take to exit after SIGTERM before it is killed."""

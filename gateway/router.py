@@ -34,11 +34,11 @@ from typing import Any, ClassVar
 
 import httpx
 
+from protocol.roles import BOTH, DECODE, PREFILL, ROLES
+
 log = logging.getLogger("gateway.router")
 
-ROLES: tuple[str, ...] = ("prefill", "decode", "both")
-"""Worker roles, as in a worker's /server_info."""
-POOL_ROLES: dict[str, tuple[str, ...]] = {"prefill": ("prefill",), "decode": ("decode", "both")}
+POOL_ROLES: dict[str, tuple[str, ...]] = {PREFILL: (PREFILL,), DECODE: (DECODE, BOTH)}
 """Pool name -> the worker roles it holds."""
 
 Clock = Callable[[], float]

@@ -30,7 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from engine.protocol import tokenizer_files
+from protocol import tokenizer_files
 
 __all__ = [
     "TOKENIZER_FILES",

@@ -1,6 +1,8 @@
 """``python -m prefill_server``: a prefill worker (``--role both`` for a colocated one)."""
 
-from engine.worker.cli import main
+from prefill_server import PREFILL_ROLE
+from worker.cli import main
+from worker.roles import COLOCATED
 
 if __name__ == "__main__":
-    main(prog="python -m prefill_server", default_role="prefill", default_port=30000)
+    main(prog="python -m prefill_server", roles=(PREFILL_ROLE, COLOCATED), default_port=30000)

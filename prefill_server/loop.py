@@ -15,24 +15,22 @@ import time
 from dataclasses import dataclass, field
 
 from engine.engine import Engine
-from engine.protocol.to_gateway import TokenDelta
-from engine.protocol.to_worker import Generate, Prefill
 from engine.request import EngineRequestError, Request
-from engine.sampling_params import InvalidSamplingParams
-from engine.worker.config import WorkerConfig
-from engine.worker.kv_setup import engine_compat, kv_backend
-from engine.worker.loop import (
+from kvtransfer import to_decode, to_prefill
+from kvtransfer.backend import TransferState
+from kvtransfer.prefill_side import PrefillKVPlane
+from prefill_server.scheduler import PREFILL_DONE, PrefillScheduler
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
+from worker.config import WorkerConfig
+from worker.kv_setup import engine_compat, kv_backend
+from worker.loop import (
     WorkerLoop,
     engine_stats,
     error_delta,
     idle_wait,
     step_delta,
-    to_sampling_params,
 )
-from kvtransfer import to_decode, to_prefill
-from kvtransfer.backend import TransferState
-from kvtransfer.prefill_side import PrefillKVPlane
-from prefill_server.scheduler import PREFILL_DONE, PrefillScheduler
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +114,8 @@ class PrefillLoop(WorkerLoop):
             error = self.kv.rejected[msg.decode_bootstrap]
         else:
             try:
-                params = to_sampling_params(msg.sampling)
-                req = self.engine.build_request(msg.rid, msg.prompt_ids, params)
-            except (EngineRequestError, InvalidSamplingParams) as e:
+                req = self.engine.build_request(msg.rid, msg.prompt_ids, msg.sampling)
+            except EngineRequestError as e:
                 error = str(e)
         if error is not None:
             self.outbox.append((client, error_delta(msg.rid, error)))

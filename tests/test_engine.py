@@ -6,14 +6,15 @@ import json
 import random
 import shutil
 
+import msgspec
 import pytest
 import torch
 
 from engine.config import ModelConfig, ModelConfigError
 from engine.llm import LLM
 from engine.request import EngineRequestError
-from engine.sampling_params import InvalidSamplingParams, SamplingParams
 from engine.weights import WeightLoadError
+from protocol.sampling import InvalidSamplingParams, SamplingParams
 
 VOCAB = 320
 
@@ -115,7 +116,7 @@ def test_seeded_sampling_is_reproducible_across_batches(hf_checkpoint) -> None:
     alone = llm.generate(prompts[1:2], sp)[0].token_ids
     together = llm.generate(prompts, sp)[1].token_ids
     assert alone == together
-    other_seed = llm.generate(prompts[1:2], SamplingParams(**{**sp.__dict__, "seed": 99}))[0]
+    other_seed = llm.generate(prompts[1:2], msgspec.structs.replace(sp, seed=99))[0]
     assert other_seed.token_ids != alone
     t0 = llm.generate(
         prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, seed=5)

@@ -45,14 +45,14 @@ from workers import (
 )
 
 from engine.llm import LLM, GenerationOutput
-from engine.protocol.to_gateway import TokenDelta
-from engine.sampling_params import SamplingParams
 from engine.tiny import TINY_MODEL_NAME, ensure_tiny_model
-from engine.worker.cli import CLUSTER_TOKEN_ENV
 from gateway.app import GatewayState, build_app
 from gateway.config import GatewayConfig
 from gateway.router import HealthChecker, Router, RouterConfig
 from gateway.text import Tokenizer
+from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta
+from worker.cli import CLUSTER_TOKEN_ENV
 
 MODEL = TINY_MODEL_NAME
 API_KEY = "gw-test-key"

@@ -11,12 +11,13 @@ import zmq
 import zmq.asyncio
 from workers import free_port
 
-from engine.protocol import to_gateway, to_worker
-from engine.protocol.client import WorkerDisconnected, WorkerUnreachable
-from engine.protocol.to_gateway import TokenDelta, Tokens
-from engine.protocol.to_worker import Abort, SamplingSpec
 from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.router import Router, RouterConfig, WorkerInfo
+from protocol import to_gateway, to_worker
+from protocol.client import WorkerDisconnected, WorkerUnreachable
+from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta, Tokens
+from protocol.to_worker import Abort
 
 CONNECT_TIMEOUT_S = 0.3
 
@@ -82,7 +83,7 @@ async def collect(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
     return [d async for d in stream]
 
 
-SPEC = SamplingSpec(max_tokens=3, temperature=0.0)
+SPEC = SamplingParams(max_tokens=3, temperature=0.0)
 
 
 def run(coro) -> None:  # noqa: ANN001

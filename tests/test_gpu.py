@@ -20,9 +20,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.llm import LLM
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.tiny import ensure_tiny_model
 from kvtransfer.nixl import nixl_available
+from protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -36,14 +36,14 @@ import pytest
 from workers import Worker, dump_log, free_port, launch_worker, launch_workers, worker_cmd
 
 from engine.llm import LLM
-from engine.protocol.client import WorkerClient, WorkerDisconnected, WorkerError
-from engine.protocol.to_gateway import TokenDelta
-from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
-from engine.sampling_params import SamplingParams
 from engine.tiny import ensure_tiny_model
-from engine.worker.cli import CLUSTER_TOKEN_ENV
 from kvtransfer.nixl import nixl_available
 from prefill_server.scheduler import PREFILL_DONE
+from protocol.client import WorkerClient, WorkerDisconnected, WorkerError
+from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
+from worker.cli import CLUSTER_TOKEN_ENV
 
 VOCAB = 512
 ENGINE: dict[str, Any] = dict(
@@ -296,11 +296,11 @@ def offline(model_dir: str) -> LLM:
 # -- the gateway's side ------------------------------------------------------------
 
 
-def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingSpec:
-    return SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
 
 
-def params_of(spec: SamplingSpec) -> SamplingParams:
+def params_of(spec: SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=spec.max_tokens, temperature=spec.temperature, ignore_eos=spec.ignore_eos
     )
@@ -362,7 +362,7 @@ async def pd_request(
     d: Worker,
     rid: str,
     prompt: list[int],
-    sampling: SamplingSpec,
+    sampling: SamplingParams,
     room: str | None = None,
 ) -> PDResult:
     """One disaggregated request: Generate to decode and Prefill to prefill at once."""

@@ -11,12 +11,13 @@ import pytest
 
 from decode_server.loop import DecodeLoop
 from engine.llm import LLM
-from engine.protocol.to_gateway import TokenDelta
-from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
 from engine.tiny import ensure_tiny_model
-from engine.worker.config import WorkerConfig
 from prefill_server.loop import PrefillLoop
 from prefill_server.scheduler import PREFILL_DONE
+from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
+from worker.config import WorkerConfig
 
 GW = b"gateway"
 
@@ -60,7 +61,7 @@ class Harness:
         self.p_final: dict[str, TokenDelta] = {}
 
     def submit(
-        self, rid: str, prompt: list[int], spec: SamplingSpec, room: str | None = None
+        self, rid: str, prompt: list[int], spec: SamplingParams, room: str | None = None
     ) -> None:
         room = room or f"room-{rid}"
         self.tokens[rid] = []
@@ -108,10 +109,8 @@ BACKENDS = [
 @pytest.mark.parametrize("decode_cache", [True, False])
 def test_pd_matches_colocated(model_dir: str, decode_cache: bool, backend: str) -> None:
     prompts = prompts_with_shared_prefixes(16)
-    spec = SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
+    spec = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(model_dir, page_size=4, num_pages=256)
-    from engine.sampling_params import SamplingParams
-
     expected = llm.generate(
         prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )
@@ -149,7 +148,7 @@ def test_handshake_mismatch_and_token(model_dir: str, tmp_path) -> None:
     p = PrefillLoop(worker_config(model_dir, "prefill"))
     d_bad_token = DecodeLoop(worker_config(model_dir, "decode", cluster_token="wrong"))
     d_bad_page = DecodeLoop(worker_config(model_dir, "decode", page_size=2))
-    spec = SamplingSpec(max_tokens=4, temperature=0.0)
+    spec = SamplingParams(max_tokens=4, temperature=0.0)
     try:
         for d, needle in ((d_bad_token, "cluster token"), (d_bad_page, "page_size")):
             h = Harness(p, d)
@@ -167,7 +166,7 @@ def test_handshake_mismatch_and_token(model_dir: str, tmp_path) -> None:
 def test_duplicate_room_and_abort(model_dir: str) -> None:
     p = PrefillLoop(worker_config(model_dir, "prefill"))
     d = DecodeLoop(worker_config(model_dir, "decode"))
-    spec = SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     try:
         h = Harness(p, d)
         h.submit("a", list(range(10, 40)), spec, room="same")
@@ -204,7 +203,7 @@ def test_prefill_never_answers(model_dir: str) -> None:
     try:
         h = Harness(p, d)
         h.tokens["lonely"] = []
-        spec = SamplingSpec(max_tokens=4, temperature=0.0)
+        spec = SamplingParams(max_tokens=4, temperature=0.0)
         d.submit(Generate("lonely", [5, 6, 7, 8, 9], spec, "room-l", p.bootstrap_endpoint), GW)
         t0 = time.monotonic()
         h.run(deadline_s=15)

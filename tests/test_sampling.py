@@ -9,7 +9,7 @@ import torch
 
 from engine import sampling
 from engine.sampling import SEED_LIMIT, SamplingBatch, fold_seed, sample
-from engine.sampling_params import SamplingParams
+from protocol.sampling import SamplingParams
 
 
 def build(params, seeds=None, steps=None, vocab_size=None, logits=None):

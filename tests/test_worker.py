@@ -33,20 +33,23 @@ from workers import (
     worker_cmd,
 )
 
+from decode_server import DECODE_ROLE
 from engine.llm import LLM
-from engine.protocol import to_gateway, to_worker
-from engine.protocol.client import (
+from engine.tiny import ensure_tiny_model
+from prefill_server import PREFILL_ROLE
+from protocol import to_gateway, to_worker
+from protocol.client import (
     WorkerClient,
     WorkerClientClosed,
     WorkerDisconnected,
     WorkerTimeout,
     WorkerUnreachable,
 )
-from engine.protocol.to_gateway import TokenDelta
-from engine.protocol.to_worker import Generate, Prefill, SamplingSpec
-from engine.sampling_params import SamplingParams
-from engine.tiny import ensure_tiny_model
-from engine.worker.cli import CLUSTER_TOKEN_ENV, build_parser
+from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
+from worker.cli import CLUSTER_TOKEN_ENV, build_parser
+from worker.roles import COLOCATED, Role
 
 VOCAB = 512
 ENGINE = dict(
@@ -127,8 +130,8 @@ def offline(model_dir: str) -> LLM:
     return LLM(model_dir, device="cpu", **ENGINE)
 
 
-def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingSpec:
-    return SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
 
 
 def prompts_with_shared_prefixes(n: int, seed: int) -> list[list[int]]:
@@ -362,17 +365,14 @@ def test_requester_that_vanishes_without_abort(worker: Worker) -> None:
 @pytest.mark.parametrize(
     ("prompt", "spec", "message"),
     [
-        ([3, 4], SamplingSpec(temperature=-1.0), "temperature"),
-        ([3, 4], SamplingSpec(top_p=0.0), "top_p"),
-        ([3, 4], SamplingSpec(max_tokens=0), "max_tokens"),
         ([], greedy(4), "prompt is empty"),
         ([5] * ENGINE["context_length"], greedy(4), "context length"),
         ([3, VOCAB + 10], greedy(4), "outside the vocabulary"),
     ],
-    ids=["temperature", "top_p", "max_tokens", "empty", "too-long", "vocab"],
+    ids=["empty", "too-long", "vocab"],
 )
 def test_invalid_request_gives_error_delta(
-    worker: Worker, prompt: list[int], spec: SamplingSpec, message: str
+    worker: Worker, prompt: list[int], spec: SamplingParams, message: str
 ) -> None:
     async def go() -> list[TokenDelta]:
         async with WorkerClient(worker.endpoint, timeout_s=30) as client:
@@ -382,6 +382,37 @@ def test_invalid_request_gives_error_delta(
     assert len(deltas) == 1
     assert deltas[0].finish_reason == "error"
     assert deltas[0].token_ids == []
+    assert message in (deltas[0].error or ""), deltas[0].error
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+    ids=["temperature", "top_p", "max_tokens"],
+)
+def test_out_of_range_sampling_gives_error_delta(
+    worker: Worker, sampling: dict[str, float], message: str
+) -> None:
+    # SamplingParams refuses these values on construction, so only a requester
+    # that skips it (a raw frame) can send them; the worker still answers.
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(worker.endpoint)
+        rid = f"bad-{message}"
+        frame = {"type": "generate", "rid": rid, "prompt_ids": [3, 4], "sampling": sampling}
+        sock.send(msgspec.msgpack.encode(frame))
+        assert sock.poll(10_000)
+        deltas = to_gateway.decoder.decode(sock.recv()).deltas
+        sock.close()
+    finally:
+        ctx.term()
+    assert [(d.rid, d.finish_reason, d.token_ids) for d in deltas] == [(rid, "error", [])]
     assert message in (deltas[0].error or ""), deltas[0].error
 
 
@@ -489,16 +520,18 @@ def test_client_unreachable_when_nobody_listens() -> None:
 
 def test_attention_backend_choices_match_the_registry() -> None:
     from engine.attention import ATTENTION_BACKENDS
-    from engine.worker.config import ATTENTION_BACKENDS as CHOICES
+    from worker.config import ATTENTION_BACKENDS as CHOICES
 
     assert sorted(CHOICES) == sorted(["auto", *ATTENTION_BACKENDS])
 
 
 @pytest.mark.parametrize(
-    ("module", "role", "port"),
-    [("prefill_server", "prefill", 30000), ("decode_server", "decode", 30001)],
+    ("role", "port"),
+    [(PREFILL_ROLE, 30000), (DECODE_ROLE, 30001)],
+    ids=["prefill_server", "decode_server"],
 )
-def test_help_mentions_every_flag(module: str, role: str, port: int) -> None:
+def test_help_mentions_every_flag(role: Role, port: int) -> None:
+    module = "prefill_server" if role is PREFILL_ROLE else "decode_server"
     out = subprocess.run(
         [sys.executable, "-m", module, "--help"],
         cwd=REPO,
@@ -507,12 +540,14 @@ def test_help_mentions_every_flag(module: str, role: str, port: int) -> None:
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    flags = [o for a in build_parser(module, role, port)._actions for o in a.option_strings]
+    flags = [
+        o for a in build_parser(module, (role, COLOCATED), port)._actions for o in a.option_strings
+    ]
     assert "--role" in flags and "--request-port" in flags
     missing = [f for f in flags if f not in out.stdout]
     assert not missing, missing
     assert f"default: {port}" in out.stdout
-    assert f"default: {role}" in out.stdout
+    assert f"default: {role.name}" in out.stdout
 
 
 def test_startup_failure_exits_with_the_error(tmp_path: Path) -> None:

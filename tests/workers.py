@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.worker import processes
-from engine.worker.processes import free_port as free_port  # re-exported for the tests
-from engine.worker.processes import stop_processes
+from worker import processes
+from worker.processes import free_port as free_port  # re-exported for the tests
+from worker.processes import stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0

@@ -33,11 +33,12 @@ import zmq.asyncio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from engine.protocol import tokenizer_files
-from engine.worker.config import WorkerConfig
-from engine.worker.engine_proc import decode_ctrl, encode_ctrl, engine_main, setup_logging
+from protocol import tokenizer_files
+from worker.config import WorkerConfig
+from worker.engine_proc import decode_ctrl, encode_ctrl, engine_main, setup_logging
+from worker.roles import Role
 
-log = logging.getLogger("engine.worker.front")
+log = logging.getLogger("worker.front")
 
 ASK_TIMEOUT_S = 5.0
 """How long /health, /metrics and /server_info wait for the engine process."""
@@ -58,10 +59,10 @@ class StartupError(RuntimeError):
 class EngineHandle:
     """The engine process as seen from the front: spawn it, ask it, stop it."""
 
-    def __init__(self, config: WorkerConfig, ctrl_endpoint: str) -> None:
+    def __init__(self, config: WorkerConfig, role: Role, ctrl_endpoint: str) -> None:
         self.ctrl_endpoint = ctrl_endpoint
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=engine_main, args=(config, ctrl_endpoint), name=f"{config.role}-engine"
+            target=engine_main, args=(config, role, ctrl_endpoint), name=f"{config.role}-engine"
         )
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -396,14 +397,14 @@ async def _register(config: WorkerConfig, server: uvicorn.Server, engine: Engine
     log.error("could not register with %s after %d attempts", url, REGISTER_ATTEMPTS)
 
 
-async def _serve(config: WorkerConfig) -> str | None:
+async def _serve(config: WorkerConfig, role: Role) -> str | None:
     """Run the worker until stopped; the failure message, or None on a requested stop."""
     try:
         http_sock = _bind_http(config.host, config.port)
     except OSError as e:
         return f"cannot bind HTTP {config.host}:{config.port}: {e}"
     tmpdir = tempfile.mkdtemp(prefix="disagg-worker-")
-    engine = EngineHandle(config, f"ipc://{tmpdir}/ctrl")
+    engine = EngineHandle(config, role, f"ipc://{tmpdir}/ctrl")
     stop = asyncio.Event()
     server: _Server | None = None
     tasks: list[asyncio.Task[None]] = []
@@ -464,13 +465,13 @@ async def _serve(config: WorkerConfig) -> str | None:
             loop.remove_signal_handler(sig)
 
 
-def run_worker(config: WorkerConfig) -> None:
+def run_worker(config: WorkerConfig, role: Role) -> None:
     """Run a worker (front plus engine process) until SIGINT/SIGTERM.
 
     Raises ``SystemExit`` with the reason when the engine fails to start or
     dies, so ``python -m ...`` exits non-zero with that message."""
     setup_logging(config.log_level, f"{config.role}-front")
-    failure = asyncio.run(_serve(config))
+    failure = asyncio.run(_serve(config, role))
     if failure is not None:
         log.error("worker failed: %s", failure)
         raise SystemExit(f"worker failed: {failure}")

@@ -27,12 +27,13 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.protocol import to_gateway, to_worker
-from engine.protocol.to_gateway import TokenDelta, Tokens
-from engine.protocol.to_worker import Abort
-from engine.worker.config import WorkerConfig
+from protocol import to_gateway, to_worker
+from protocol.to_gateway import TokenDelta, Tokens
+from protocol.to_worker import Abort
+from worker.config import WorkerConfig
+from worker.roles import Role
 
-log = logging.getLogger("engine.worker.engine")
+log = logging.getLogger("worker.engine")
 
 IDLE_POLL_MS = 5
 HOUSEKEEPING_S = 0.5
@@ -63,14 +64,14 @@ def setup_logging(level: str, process: str) -> None:
     )
 
 
-def engine_main(config: WorkerConfig, ctrl_endpoint: str) -> None:
+def engine_main(config: WorkerConfig, role: Role, ctrl_endpoint: str) -> None:
     """Entry point of the spawned engine process; exits non-zero on failure."""
     setup_logging(config.log_level, f"{config.role}-engine")
     # Ctrl-C reaches the whole process group; the front decides when we stop.
     # SIGTERM kills at once until startup is done, then stops gracefully.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    sys.exit(EngineServer(config, ctrl_endpoint).run())
+    sys.exit(EngineServer(config, role, ctrl_endpoint).run())
 
 
 def _peek_rid(payload: bytes) -> str | None:
@@ -84,8 +85,9 @@ def _peek_rid(payload: bytes) -> str | None:
 
 
 class EngineServer:
-    def __init__(self, config: WorkerConfig, ctrl_endpoint: str) -> None:
+    def __init__(self, config: WorkerConfig, role: Role, ctrl_endpoint: str) -> None:
         self.config = config
+        self.role = role
         self.ctrl_endpoint = ctrl_endpoint
         self.ctx = zmq.Context()
         self.ctrl: zmq.Socket | None = None
@@ -143,8 +145,6 @@ class EngineServer:
         return self.exit_code
 
     def _startup(self) -> None:
-        from engine.worker.roles import load_loop_class
-
         cfg = self.config.resolve()
         self.router = self.ctx.socket(zmq.ROUTER)
         # Replies to a requester that went away are dropped, never an error;
@@ -164,8 +164,7 @@ class EngineServer:
         cfg = cfg.with_request_port(port)
         self.config = cfg
         self.request_endpoint = cfg.request_endpoint
-        loop_cls = load_loop_class(cfg.role)
-        self.loop = loop_cls(cfg)
+        self.loop = self.role.make_loop(cfg)
         self.info = {
             "role": cfg.role,
             "model": cfg.model,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Sequence
 
-from engine.worker.config import ATTENTION_BACKENDS, LOG_LEVELS, TRANSFER_BACKENDS, WorkerConfig
-from engine.worker.roles import ROLE_HELP, ROLES
+from worker.config import ATTENTION_BACKENDS, LOG_LEVELS, TRANSFER_BACKENDS, WorkerConfig
+from worker.roles import Role
 
 CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
 REGISTER_KEY_ENV = "DISAGG_REGISTER_KEY"
@@ -17,7 +18,9 @@ def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("auto", "none") else int(text)
 
 
-def build_parser(prog: str, default_role: str, default_port: int) -> argparse.ArgumentParser:
+def build_parser(prog: str, roles: Sequence[Role], default_port: int) -> argparse.ArgumentParser:
+    """The parser of a server offering ``roles``; the first is the default."""
+    default_role = roles[0].name
     d = WorkerConfig(role=default_role, port=default_port)
     ap = argparse.ArgumentParser(
         prog=prog,
@@ -25,12 +28,12 @@ def build_parser(prog: str, default_role: str, default_port: int) -> argparse.Ar
             "Run one worker: an HTTP front (/health, /metrics, /server_info) and an "
             "engine process serving the request plane (ZMQ) for the gateway."
         ),
-        epilog="Roles: " + "; ".join(f"{r}: {h}" for r, h in ROLE_HELP.items()),
+        epilog="Roles: " + "; ".join(f"{r.name}: {r.help}" for r in roles),
     )
     net = ap.add_argument_group("role and network")
     net.add_argument(
         "--role",
-        choices=list(ROLES),
+        choices=[r.name for r in roles],
         default=default_role,
         help="what this worker does (default: %(default)s); see the roles below",
     )
@@ -215,13 +218,17 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(**{k: v for k, v in vars(ns).items() if k in names})
 
 
-def main(argv: list[str] | None = None, *, prog: str, default_role: str, default_port: int) -> None:
-    parser = build_parser(prog, default_role, default_port)
+def main(
+    argv: list[str] | None = None, *, prog: str, roles: Sequence[Role], default_port: int
+) -> None:
+    """Parse the command line and run the worker until it is stopped."""
+    parser = build_parser(prog, roles, default_port)
     ns = parser.parse_args(argv)
     try:
         config = config_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
-    from engine.worker.front import run_worker
+    from worker.front import run_worker
 
-    run_worker(config)
+    role = next(r for r in roles if r.name == config.role)
+    run_worker(config, role)

@@ -35,9 +35,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from engine.protocol import to_gateway, to_worker
-from engine.protocol.to_gateway import TokenDelta
-from engine.protocol.to_worker import Abort, Generate, Prefill
+from protocol import to_gateway, to_worker
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Abort, Generate, Prefill
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,16 @@
-"""Per-request sampling parameters (plain data; validated on construction)."""
+"""Per-request sampling parameters: one validated type for the gateway, the
+request plane and the engine.
+
+``SamplingParams`` is a frozen msgspec Struct, so it is also the wire form:
+validation runs on construction and on decoding, and a decoded message with an
+out-of-range value fails as a whole (the worker answers it with an error).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+
+import msgspec
 
 MAX_TOP_LOGPROBS = 20
 
@@ -16,8 +23,7 @@ class InvalidSamplingParams(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -26,15 +32,18 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     """Fixes the random stream of this request: same seed, same tokens."""
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0
     """Also return this many most likely tokens (and logprobs) at each step."""
 
     def __post_init__(self) -> None:
-        # Lists are accepted for convenience but the stored value stays immutable.
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        # Lists are accepted for convenience but the stored value stays immutable
+        # (and hashable).
+        msgspec.structs.force_setattr(
+            self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids)
+        )
+        if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise InvalidSamplingParams(
                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
             )
@@ -42,17 +51,17 @@ class SamplingParams:
             raise InvalidSamplingParams("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParams("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if not _integer(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise InvalidSamplingParams(
                 "top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k!r}"
             )
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidSamplingParams("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not _integer(self.seed) or self.seed < 0):
             raise InvalidSamplingParams(
                 "seed", f"must be a non-negative integer, got {self.seed!r}"
             )
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not _integer(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidSamplingParams(
                 "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
             )
@@ -62,6 +71,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, int)
 
 
 def _finite(x: object) -> bool:

@@ -4,19 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-
-class SamplingSpec(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Wire form of ``engine.sampling_params.SamplingParams``."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    top_logprobs: int = 0
+from protocol.sampling import SamplingParams
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
@@ -30,7 +18,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
 
     rid: str
     prompt_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     room: str | None = None
     prefill_bootstrap: str | None = None
 
@@ -41,7 +29,7 @@ class Prefill(msgspec.Struct, tag="prefill", frozen=True):
 
     rid: str
     prompt_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     room: str
     decode_bootstrap: str
 

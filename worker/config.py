@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.worker.roles import ROLES
+from protocol.roles import ROLES
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -27,7 +27,7 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 @dataclass(frozen=True)
 class WorkerConfig:
     role: str = "both"
-    """Loop class to run, from ``engine.worker.roles.ROLES``."""
+    """What the worker does, one of ``protocol.roles.ROLES``."""
     host: str = "127.0.0.1"
     """Address the HTTP server, the request plane and the KV plane bind to."""
     port: int = 30000

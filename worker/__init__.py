@@ -2,6 +2,6 @@
 an HTTP front process plus an engine process joined by ZMQ IPC (see ``front``
 and ``engine_proc``). Importing this package does not import torch."""
 
-from engine.worker.config import WorkerConfig
+from worker.config import WorkerConfig
 
 __all__ = ["WorkerConfig"]

@@ -1,0 +1,117 @@
+"""Engine-process side of a worker: the ``WorkerLoop`` interface the request
+plane drives, and the helpers every role's loop shares."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+from engine.engine import Engine
+from engine.request import StepOutput
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
+from worker.config import WorkerConfig
+
+IDLE_WAIT_S = 0.0005
+
+
+def idle_wait() -> None:
+    """Back off briefly when only rooms waiting on the KV plane are left: the
+    engine process polls the request socket, not the KV plane's, so the loop
+    would otherwise spin a core."""
+    time.sleep(IDLE_WAIT_S)
+
+
+class WorkerLoop(ABC):
+    """The scheduler-plus-model state machine of one worker role.
+
+    The engine process owns one loop and calls it from a single thread:
+    ``submit``/``abort`` as messages arrive, ``step`` whenever ``has_work``.
+    Every submitted request ends with exactly one final ``TokenDelta``
+    (``finish_reason`` set) returned by some later ``step``, whether it
+    finished, failed validation ("error") or was aborted ("abort").
+    Request-level failures never raise out of the loop.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        """Build the engine for ``config`` (resolved: model path and device set).
+        Raising here is a startup failure reported to the front."""
+        self.config = config
+
+    @abstractmethod
+    def submit(self, msg: Generate | Prefill, client: bytes) -> None:
+        """Accept a request from requester ``client`` (a ZMQ identity). Invalid
+        requests are answered by an "error" delta from the next ``step``."""
+
+    @abstractmethod
+    def abort(self, rid: str) -> None:
+        """Stop request ``rid`` and free its pages; the next ``step`` returns its
+        final "abort" delta. Unknown or finished ids are ignored."""
+
+    @abstractmethod
+    def step(self) -> list[tuple[bytes, TokenDelta]]:
+        """Run at most one forward and return the new deltas, each addressed to
+        its requester, plus any pending error/abort deltas."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """True while ``step`` would run a forward or return deltas."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Numbers for /server_info and /metrics. Must include ``free_pages``
+        (allocator free list), ``total_pages`` (allocator capacity),
+        ``cached_pages`` (held by the prefix cache), ``available_pages`` (free
+        plus evictable), ``running`` and ``waiting``. Keys ending in ``_total``
+        (and the ``COUNTER_STATS`` names of the front) are exported as counters."""
+
+    @property
+    def bootstrap_endpoint(self) -> str | None:
+        """Where peers reach this worker's KV plane; None when it has none."""
+        return None
+
+    def info(self) -> dict[str, Any]:
+        """Static facts for /server_info (model, page size, context length...)."""
+        facts: dict[str, Any] = {"model": self.config.model, "page_size": self.config.page_size}
+        engine = getattr(self, "engine", None)
+        if isinstance(engine, Engine):
+            facts["context_length"] = engine.context_length
+        return facts
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release sockets, transfer agents and device memory."""
+
+
+def engine_stats(engine: Engine, role: str) -> dict[str, Any]:
+    """Pool, queue and prefix-cache numbers every role reports."""
+    sched = engine.scheduler
+    alloc = engine.runner.pool.allocator
+    cache = sched.cache
+    cstats = cache.stats() if cache is not None else None
+    return {
+        "role": role,
+        "free_pages": alloc.num_free,
+        "total_pages": alloc.capacity,
+        "cached_pages": cstats.cached_pages if cstats else 0,
+        "evictable_pages": cstats.evictable_pages if cstats else 0,
+        "locked_pages": cstats.locked_pages if cstats else 0,
+        "available_pages": sched.num_free_pages,
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "retracted_total": sched.num_retracted,
+        "prefix_cache_hit_tokens": cstats.hit_tokens if cstats else 0,
+        "prefix_cache_query_tokens": cstats.query_tokens if cstats else 0,
+    }
+
+
+def step_delta(r: StepOutput) -> TokenDelta:
+    """The wire form of one sampled token."""
+    top = None if r.top_logprobs is None else [r.top_logprobs]
+    return TokenDelta(
+        r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens, None, top
+    )
+
+
+def error_delta(rid: str, message: str) -> TokenDelta:
+    return TokenDelta(rid, [], [], "error", 0, message)
