@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_commit, host_info  # noqa: E402
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingBatch  # noqa: E402
@@ -104,7 +105,7 @@ def bench_one(runner: ModelRunner, batch_size: int, args: argparse.Namespace) ->
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -146,7 +147,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="JSON file to write (default: benchmarks/results/engine-<model>-<date>.json)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     model = args.model
     if model is None:

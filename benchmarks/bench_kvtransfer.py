@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.agent_process import AgentProcess  # noqa: E402
 from benchmarks.common import git_commit, host_info  # noqa: E402
-from engine.config import DTYPES, ModelConfig  # noqa: E402
 from engine.kvcache.pool import KVPool, KVPoolConfig  # noqa: E402
+from engine.model_config import DTYPES, ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 from kvtransfer import TRANSFER_BACKENDS, make_backend  # noqa: E402
 from kvtransfer.backend import TransferState  # noqa: E402
@@ -223,7 +223,7 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -290,13 +290,18 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         help="JSON output path (default benchmarks/results/kvtransfer-<shape>-<commit>-<time>.json)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.model is None and not (args.layers and args.kv_heads and args.head_dim):
         args.model = "llama-3.1-8b"
     args.src_device = args.src_device or args.device
     args.dst_device = args.dst_device or args.device
     if args.tokens < 1 or args.page_size < 1 or args.iters < 1:
-        p.error("--tokens, --page-size and --iters must be >= 1")
+        parser.error("--tokens, --page-size and --iters must be >= 1")
 
     shape = shapes(args)
     backends = sorted(TRANSFER_BACKENDS) if args.backend == "all" else [args.backend]

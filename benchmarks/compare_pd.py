@@ -41,11 +41,14 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.dummy_model import write_dummy_model  # noqa: E402
+from engine.config import LOAD_FORMATS, EngineConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
-from worker.cli import CLUSTER_TOKEN_ENV  # noqa: E402
+from kvtransfer import TRANSFER_BACKENDS  # noqa: E402
+from worker.config import CLUSTER_TOKEN_ENV, WorkerConfig  # noqa: E402
 from worker.processes import free_port, stop_processes, wait_http_ok  # noqa: E402
 
 STOP_TIMEOUT_S = 30.0
+ENGINE_DEFAULTS = EngineConfig()
 LABELS = {"pd": "disaggregated", "colocated": "colocated"}
 
 
@@ -100,15 +103,19 @@ def stop_all(procs: Sequence[Process]) -> None:
 def worker_cmd(
     module: str, role: str, device: str, args: argparse.Namespace, model: str | None
 ) -> list[str]:
-    cmd = [sys.executable, "-m", module, "--role", role, "--host", "127.0.0.1"]
-    cmd += ["--port", str(free_port()), "--device", device, "--page-size", str(args.page_size)]
-    cmd += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
-    cmd += ["--load-format", args.load_format]
-    if model is not None:
-        cmd += ["--model", model]
-    if role != "both":
-        cmd += ["--transfer-backend", args.transfer_backend]
-    return cmd + shlex.split(args.worker_args)
+    config = WorkerConfig.from_settings(
+        role=role,
+        host="127.0.0.1",
+        port=free_port(),
+        model=model,
+        device=device,
+        load_format=args.load_format,
+        page_size=args.page_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        # A colocated worker moves no KV: it keeps the default backend.
+        **({} if role == "both" else {"transfer_backend": args.transfer_backend}),
+    )
+    return [sys.executable, "-m", module, *config.to_argv(), *shlex.split(args.worker_args)]
 
 
 def gateway_cmd(workers: list[tuple[str, str]], args: argparse.Namespace) -> list[str]:
@@ -237,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--load-format",
-        choices=["auto", "dummy"],
-        default="auto",
+        choices=LOAD_FORMATS,
+        default=ENGINE_DEFAULTS.load_format,
         help="auto: the checkpoint's weights; dummy: random weights (default: %(default)s)",
     )
     w = ap.add_argument_group("workers")
@@ -260,17 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--transfer-backend",
-        choices=["tcp", "nixl"],
-        default="tcp",
+        choices=sorted(TRANSFER_BACKENDS),
+        default=WorkerConfig().transfer_backend,
         help="KV transfer between the prefill and decode workers (default: %(default)s)",
     )
     w.add_argument(
-        "--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)"
+        "--page-size",
+        type=int,
+        default=ENGINE_DEFAULTS.page_size,
+        help="tokens per KV page (default: %(default)s)",
     )
     w.add_argument(
         "--kv-cache-memory-gb",
         type=float,
-        default=0.25,
+        default=ENGINE_DEFAULTS.kv_cache_memory_gb,
         help="KV pool of each worker (default: %(default)s)",
     )
     w.add_argument(

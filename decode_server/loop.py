@@ -1,18 +1,18 @@
 """Engine-process loop of a decode worker.
 
-A disaggregated request moves through three queues:
+A disaggregated request has a room that moves through ``DecodeState``:
 
-1. pre-allocation: waits until the pool can hold its prompt (FIFO, so a large
-   request is not starved by small ones), then asks its prefill engine to
-   fill the reserved pages (``Reserve``);
-2. transfer: waits for ``Done`` (the first token, all pages landed), a
+1. waiting for pages: queued until the pool can hold its prompt (FIFO, so a
+   large request is not starved by small ones), then it asks its prefill
+   engine to fill the reserved pages (``Reserve``);
+2. transferring: waits for ``Done`` (the first token, all pages landed), a
    failure, or its deadline;
-3. running: ordinary continuous-batching decode in the engine's scheduler.
+3. decoding: ordinary continuous-batching decode in the engine's scheduler.
 
 A request without a prefill engine goes straight to the scheduler and is
 prefilled here. Pages of a room whose writes may still be in flight are only
 released once the prefill engine confirms (``AbortAck``/``RoomFailed``) or is
-known to be gone.
+known to be gone (the room drains).
 """
 
 from __future__ import annotations
@@ -20,82 +20,55 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from engine.engine import Engine, InFlight
-from engine.request import EngineRequestError, Request
+from decode_server.room import DecodeState, Room
+from engine.engine import InFlight
+from engine.request import EngineRequestError
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
+from protocol.roles import DECODE
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 from worker.config import WorkerConfig
-from worker.kv_setup import engine_compat, kv_backend
-from worker.loop import (
-    WorkerLoop,
-    engine_stats,
-    error_delta,
-    idle_wait,
-    step_delta,
-)
+from worker.disagg_loop import DisaggLoop
+from worker.loop import abort_delta, idle_wait, step_delta
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class Room:
-    room: str
-    req: Request
-    client: bytes
-    prefill: str
-    deadline: float
-    state: str = "prealloc"
-    """prealloc -> transfer -> (scheduler's running batch | draining)."""
+class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
+    role = DECODE
+    COUNTERS = {"transfers_ok": 0, "transfers_failed": 0}
 
-
-class DecodeLoop(WorkerLoop):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self.engine = Engine(config.engine_config())
-        self.scheduler = self.engine.scheduler
-        backend = kv_backend(self.engine, config.transfer_backend, "decode", config.host)
-        self.kv = DecodeKVPlane(
-            config.host,
-            config.bootstrap_port,
-            backend,
-            engine_compat(self.engine, config.transfer_backend),
-            config.cluster_token or "",
-            config.transfer_timeout_s,
-        )
-        self.clients: dict[str, bytes] = {}
-        """rid -> requester of every request this worker streams."""
-        self.rooms: dict[str, Room] = {}
-        self.by_rid: dict[str, Room] = {}
         self.prealloc: deque[Room] = deque()
-        self.outbox: list[tuple[bytes, TokenDelta]] = []
+        """Rooms waiting for pages, oldest first."""
         self.inflight: InFlight | None = None
-        self.counters = {"transfers_ok": 0, "transfers_failed": 0}
 
-    @property
-    def bootstrap_endpoint(self) -> str | None:
-        return self.kv.endpoint
+    def _open_kv_plane(self) -> DecodeKVPlane:
+        return DecodeKVPlane(
+            self.config.host,
+            self.config.bootstrap_port,
+            self._kv_backend(),
+            self._kv_compat(),
+            self.config.cluster_token or "",
+            self.config.transfer_timeout_s,
+        )
 
     # -- requests ------------------------------------------------------------
 
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
         if not isinstance(msg, Generate):
-            self.outbox.append(
-                (client, error_delta(msg.rid, "a decode worker only serves Generate requests"))
-            )
+            self._refuse(client, msg.rid, "a decode worker only serves Generate requests")
             return
         if msg.room is not None and msg.room in self.rooms:
-            self.outbox.append(
-                (client, error_delta(msg.rid, f"room {msg.room!r} is already in use"))
-            )
+            self._refuse(client, msg.rid, f"room {msg.room!r} is already in use")
             return
         try:
             req = self.engine.build_request(msg.rid, msg.prompt_ids, msg.sampling)
         except EngineRequestError as e:
-            self.outbox.append((client, error_delta(msg.rid, str(e))))
+            self._refuse(client, msg.rid, str(e))
             return
         self.clients[msg.rid] = client
         if msg.prefill_bootstrap is None:
@@ -104,97 +77,98 @@ class DecodeLoop(WorkerLoop):
         room = Room(
             msg.room or msg.rid,
             req,
-            client,
             msg.prefill_bootstrap,
             time.monotonic() + self.config.transfer_timeout_s,
         )
-        self.rooms[room.room] = room
-        self.by_rid[msg.rid] = room
+        self.rooms.add(room)
         self.prealloc.append(room)
 
     def abort(self, rid: str) -> None:
-        room = self.by_rid.get(rid)
-        if room is not None and room.state in ("prealloc", "transfer"):
+        room = self.rooms.serving(rid)
+        if room is not None and room.state in (DecodeState.WAITING_PAGES, DecodeState.TRANSFERRING):
             self._fail_room(room, "abort", None)
             return
         if self.scheduler.abort(rid) is not None:
-            self._finish(rid, TokenDelta(rid, [], [], "abort", 0))
+            self._finish(rid, abort_delta(rid))
 
-    # -- queues ----------------------------------------------------------------
+    # -- rooms -----------------------------------------------------------------
 
     def _admit_prealloc(self) -> None:
-        busy = len(self.scheduler.running) + sum(r.state == "transfer" for r in self.rooms.values())
-        while self.prealloc and busy < self.config.max_running_requests:
+        busy = len(self.scheduler.running) + self._count(DecodeState.TRANSFERRING)
+        while self.prealloc and busy < self.config.engine.max_running_requests:
             room = self.prealloc[0]
             if not self.scheduler.reserve_prompt(room.req):
                 return  # waits for pages; FIFO keeps large requests from starving
             self.prealloc.popleft()
-            req = room.req
-            ps = self.engine.runner.pool.page_size
-            prefix = req.num_computed
-            room.state = "transfer"
-            room.deadline = time.monotonic() + self.config.transfer_timeout_s
-            self.kv.send(
-                room.prefill,
-                to_prefill.Reserve(
-                    room.room,
-                    req.page_table[prefix // ps :],
-                    prefix,
-                    len(req.prompt_ids),
-                ),
-            )
+            self._send_reserve(room)
             busy += 1
+
+    def _send_reserve(self, room: Room) -> None:
+        """Ask the prefill engine to fill the pages past the cached prefix."""
+        req = room.req
+        ps = self.engine.runner.pool.page_size
+        prefix = req.num_computed
+        room.move(DecodeState.TRANSFERRING)
+        room.deadline = time.monotonic() + self.config.transfer_timeout_s
+        self.kv.send(
+            room.prefill,
+            to_prefill.Reserve(
+                room.id, req.page_table[prefix // ps :], prefix, len(req.prompt_ids)
+            ),
+        )
 
     def _on_done(self, room: Room, msg: to_decode.Done) -> None:
         req = room.req
         self.counters["transfers_ok"] += 1
-        log.debug("rid=%s room=%s: KV received, decoding", req.rid, room.room)
+        log.debug("rid=%s room=%s: KV received, decoding", req.rid, room.id)
         req.num_computed = len(req.fill_ids)
         req.fill_ids.append(msg.first_token)
         req.output_logprobs.append(msg.logprob)
         req.num_cached_tokens = msg.cached_tokens
-        self._forget_room(room)
+        self.rooms.remove(room)
         if msg.finish_reason is not None:
+            room.move(DecodeState.CLOSED)
             self.scheduler.release(req)
             self._finish(req.rid, TokenDelta(req.rid, [], [], msg.finish_reason, msg.cached_tokens))
             return
+        room.move(DecodeState.DECODING)
         # The first token already reached the requester from the prefill side.
-        self.scheduler.running.append(req)
+        self.scheduler.admit_prefilled(req)
 
     def _fail_room(
         self, room: Room, kind: str, reason: str | None, peer_alive: bool = True
     ) -> None:
         """End the request now; free its pages once no write can be in flight."""
         req = room.req
-        self.counters["transfers_failed"] += kind == "error"
+        self.counters["transfers_failed"] += int(kind == "error")
         (log.warning if kind == "error" else log.debug)(
-            "rid=%s room=%s: %s in state %s: %s", req.rid, room.room, kind, room.state, reason
+            "rid=%s room=%s: %s in state %s: %s", req.rid, room.id, kind, room.state.value, reason
         )
-        if room.state == "prealloc":
+        if room.state is DecodeState.WAITING_PAGES:
             self.prealloc.remove(room)
-            self._forget_room(room)
-        elif room.state == "transfer" and peer_alive:
-            room.state = "draining"
+            room.move(DecodeState.CLOSED)
+            self.rooms.remove(room)
+        elif room.state is DecodeState.TRANSFERRING and peer_alive:
+            room.move(DecodeState.DRAINING)
             room.deadline = time.monotonic() + self.config.transfer_timeout_s
-            self.kv.send(room.prefill, to_prefill.AbortRoom(room.room, reason or kind))
+            self.kv.send(room.prefill, to_prefill.AbortRoom(room.id, reason or kind))
         else:
             # The peer never connected to our buffer, or is gone: nothing writes.
             self._release_room(room)
         self._finish(req.rid, TokenDelta(req.rid, [], [], kind, 0, reason))
 
     def _release_room(self, room: Room) -> None:
+        room.move(DecodeState.CLOSED)
         self.scheduler.release(room.req)
-        self._forget_room(room)
-
-    def _forget_room(self, room: Room) -> None:
-        self.rooms.pop(room.room, None)
-        self.by_rid.pop(room.req.rid, None)
+        self.rooms.remove(room)
 
     def _finish(self, rid: str, delta: TokenDelta) -> None:
-        client = self.clients.pop(rid, None)
+        """Queue the request's final delta; its id may be used again."""
+        self._reply(rid, delta)
         self.engine.forget(rid)
-        if client is not None:
-            self.outbox.append((client, delta))
+
+    def _count(self, state: DecodeState) -> int:
+        return sum(r.state is state for r in self.rooms)
 
     # -- the loop --------------------------------------------------------------
 
@@ -210,53 +184,58 @@ class DecodeLoop(WorkerLoop):
         for r in results:
             delta = step_delta(r)
             if r.finish_reason is None:
-                self.outbox.append((self.clients[r.rid], delta))
+                self._reply(r.rid, delta)
             else:
                 self._finish(r.rid, delta)
-        out, self.outbox = self.outbox, []
-        return out
+        return self.outbox.take()
 
     def _kv_events(self) -> bool:
         """Handle KV-plane messages; True if there were any."""
         events = self.kv.poll()
         for prefill, msg in events:
             if isinstance(msg, PeerFailed):
-                for room in [r for r in self.rooms.values() if r.prefill == prefill]:
-                    if room.state == "draining":
-                        self._release_room(room)
-                    elif room.state == "transfer":
-                        self._fail_room(room, "error", msg.reason, peer_alive=False)
-                    # A room still waiting for pages has sent nothing yet: it
-                    # opens a fresh connection (a restarted prefill worker at
-                    # the same address serves it; a refusal fails it then).
+                self._on_peer_failed(prefill, msg.reason)
                 continue
             room = self.rooms.get(msg.room)
             if room is None or room.prefill != prefill:
                 continue
-            if room.state == "transfer":
+            if room.state is DecodeState.TRANSFERRING:
                 if isinstance(msg, to_decode.Done):
                     self._on_done(room, msg)
                 elif isinstance(msg, to_decode.RoomFailed):
                     self._fail_room(room, "error", msg.reason, peer_alive=False)
                 else:  # AbortAck: the prefill side gave the room up
                     self._fail_room(room, "abort", None, peer_alive=False)
-            elif room.state == "draining":
+            elif room.state is DecodeState.DRAINING:
                 self._release_room(room)
         return bool(events)
 
+    def _on_peer_failed(self, prefill: str, reason: str) -> None:
+        """The prefill engine is gone: nothing of it writes into our pages."""
+        for room in self.rooms:
+            if room.prefill != prefill:
+                continue
+            if room.state is DecodeState.DRAINING:
+                self._release_room(room)
+            elif room.state is DecodeState.TRANSFERRING:
+                self._fail_room(room, "error", reason, peer_alive=False)
+            # A room still waiting for pages has sent nothing yet: it opens a
+            # fresh connection (a restarted prefill worker at the same address
+            # serves it; a refusal fails it then).
+
     def _deadlines(self) -> None:
         now = time.monotonic()
-        for room in list(self.rooms.values()):
+        for room in self.rooms:
             if now <= room.deadline:
                 continue
-            if room.state == "transfer":
+            if room.state is DecodeState.TRANSFERRING:
                 self._fail_room(
                     room,
                     "error",
                     f"KV transfer from {room.prefill} did not finish within "
                     f"{self.config.transfer_timeout_s:g}s",
                 )
-            elif room.state == "draining":
+            elif room.state is DecodeState.DRAINING:
                 # No confirmation in time: the prefill engine is presumed dead.
                 self.kv.drop_peer(room.prefill, "prefill worker stopped answering")
                 self._release_room(room)
@@ -266,13 +245,8 @@ class DecodeLoop(WorkerLoop):
             self.rooms or self.outbox or self.inflight is not None or self.scheduler.has_work()
         )
 
-    def stats(self) -> dict:
+    def _room_stats(self) -> dict[str, int]:
         return {
-            **engine_stats(self.engine, "decode"),
             "prealloc": len(self.prealloc),
-            "transferring": sum(r.state == "transfer" for r in self.rooms.values()),
-            **self.counters,
+            "transferring": self._count(DecodeState.TRANSFERRING),
         }
-
-    def close(self) -> None:
-        self.kv.close()

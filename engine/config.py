@@ -1,222 +1,178 @@
-"""Model and engine configuration.
+"""Engine configuration: the runtime knobs of one engine.
 
-``ModelConfig`` is read from a HF ``config.json`` (or a named preset for dummy
-weights); ``EngineConfig`` holds the runtime knobs. Both are frozen: values
-that start as "auto" are resolved by ``EngineConfig.resolve`` building a new
-config.
+``EngineConfig`` is frozen and torch-free, so the worker's front process and
+its command line use it without loading torch. Each field is a ``setting``:
+its default and its help text live here, once, and the worker's command line
+(``worker.cli``) is generated from them (``--page-size`` for ``page_size``,
+the type from the annotation). Values that start as "auto" or ``None`` are
+resolved by building a new config (``resolve_model_and_device``, ``resolve``).
+
+The model's own configuration (``ModelConfig``, read from ``config.json``)
+lives in ``engine.model_config``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-import torch
+from engine.attention import ATTENTION_BACKENDS
 
-from engine.kvcache.pool import KVPoolConfig
-from engine.presets import PRESETS
+if TYPE_CHECKING:
+    import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    from engine.model_config import ModelConfig
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_CHOICES = ("auto", *sorted(ATTENTION_BACKENDS))
+"""``auto`` plus the registered attention backends."""
+
+MODEL_GROUP = "model"
+KV_GROUP = "KV cache and scheduling"
 
 
-class ModelConfigError(ValueError):
-    """The checkpoint's config cannot be served."""
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    group: str | None = None,
+    flag: bool = True,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    env: str | None = None,
+    default_factory: Any = MISSING,
+) -> Any:
+    """A config field that is also a command-line flag.
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency-dependent scaling (``rope_type: llama3``)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    dtype: torch.dtype = torch.float32
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any], dtype: torch.dtype | None = None) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelConfigError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or hidden // heads)
-            layers = int(cfg["num_hidden_layers"])
-            vocab = int(cfg["vocab_size"])
-            inter = int(cfg["intermediate_size"])
-        except KeyError as e:
-            raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
-        if heads % kv_heads:
-            raise ModelConfigError(
-                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
-        # transformers >= 5 nests rope settings under rope_parameters.
-        rope = dict(cfg.get("rope_scaling") or {})
-        rope.update(cfg.get("rope_parameters") or {})
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type not in ("default", None):
-            raise ModelConfigError(
-                f"unsupported rope type {rope_type!r}; supported: default, llama3"
-            )
-        if dtype is None:
-            name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-            dtype = DTYPES.get(str(name), torch.float32)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-        return cls(
-            architecture=arch,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=dtype,
-            eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-        )
-
-    @classmethod
-    def load(cls, model: str | os.PathLike, dtype: torch.dtype | None = None) -> ModelConfig:
-        """From a checkpoint dir (its config.json), a config.json path, or a preset name."""
-        if isinstance(model, str) and model in PRESETS:
-            return cls.from_dict(PRESETS[model], dtype)
-        path = Path(model)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(
-                f"no config.json at {path} (and {str(model)!r} is not a preset: "
-                f"{', '.join(sorted(PRESETS))})"
-            )
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
-        # Generation config may carry the chat model's extra stop ids.
-        gen = path.parent / "generation_config.json"
-        if gen.is_file():
-            try:
-                g = json.loads(gen.read_text())
-                if g.get("eos_token_id") is not None:
-                    cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
-            except json.JSONDecodeError:
-                pass
-        return cls.from_dict(cfg, dtype)
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return None
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)} or auto")
-    return DTYPES[name]
+    ``help`` documents the field and is the flag's help (argparse's
+    ``%(default)s`` allowed; every flag's help names its default). ``group``
+    is the title of the flag's argument group (None: the parser's own).
+    ``flag=False``: no flag (``help`` says why). ``env``: the environment
+    variable that supplies the command line's default instead of ``default``.
+    """
+    metadata = {
+        "help": help,
+        "group": group,
+        "flag": flag,
+        "choices": tuple(choices) if choices is not None else None,
+        "metavar": metavar,
+        "env": env,
+    }
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    """Checkpoint directory, config.json path, or preset name (with load_format='dummy')."""
-    load_format: str = "auto"
-    """'auto' (safetensors from the checkpoint dir) or 'dummy' (random weights)."""
-    dtype: str = "auto"
-    device: str = "cpu"
-    page_size: int = 1
-    num_pages: int | None = None
-    """Pages in the KV pool; None sizes it from kv_cache_memory_gb."""
-    kv_cache_memory_gb: float = 0.25
-    max_num_batched_tokens: int = 2048
-    """Token budget of one forward (prefill chunks plus decode tokens)."""
-    chunk_size: int | None = None
-    """Largest prefill chunk of one request per step; None means the token budget."""
-    max_running_requests: int = 256
-    context_length: int | None = None
-    """None: the model's max_position_embeddings."""
-    enable_prefix_cache: bool = True
-    overlap: bool = True
-    """Schedule step N+1 while step N runs (decode and colocated engines)."""
-    attention_backend: str = "auto"
-    cuda_graph_max_bs: int | None = None
-    """Largest decode batch replayed from a CUDA graph; 0 disables graphs, None
-    picks min(max_running_requests, 64) with the flashinfer backend, else 0."""
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    model: str | None = setting(
+        None,
+        help="HF checkpoint directory (config.json + safetensors), or a preset name "
+        "with --load-format dummy (default: the built-in tiny model)",
+        group=MODEL_GROUP,
+    )
+    """None stands for the built-in tiny model, written on first use by
+    ``resolve_model_and_device`` (an engine needs a concrete model)."""
+    load_format: str = setting(
+        "auto",
+        help="auto: weights from the checkpoint; dummy: random weights (default: %(default)s)",
+        group=MODEL_GROUP,
+        choices=LOAD_FORMATS,
+    )
+    device: str = setting(
+        "auto",
+        help="torch device, e.g. cpu, cuda, cuda:1; auto picks cuda when available "
+        "(default: %(default)s)",
+        group=MODEL_GROUP,
+    )
+    """"auto" for offline engines and workers alike: an engine runs where it can
+    run fast. Code that must stay on one device (tests comparing against a CPU
+    reference) names it."""
+    dtype: str = setting(
+        "auto",
+        help="auto (from config.json), float32, bfloat16 or float16 (default: %(default)s)",
+        group=MODEL_GROUP,
+    )
+    attention_backend: str = setting(
+        "auto",
+        help="attention kernels: flashinfer (CUDA, bf16/fp16), torch_native (any device); "
+        "auto picks flashinfer where it can run (default: %(default)s)",
+        group=MODEL_GROUP,
+        choices=ATTENTION_CHOICES,
+    )
+    cuda_graph_max_bs: int | None = setting(
+        None,
+        help="largest decode batch run as a CUDA graph; 0 disables graphs (default: auto, "
+        "min(--max-running-requests, 64) with flashinfer attention, else 0)",
+        group=MODEL_GROUP,
+    )
+    context_length: int | None = setting(
+        None,
+        help="longest prompt plus output (default: the model's max_position_embeddings)",
+        group=MODEL_GROUP,
+    )
+    seed: int = setting(
+        0, help="engine seed for unseeded requests (default: %(default)s)", group=MODEL_GROUP
+    )
+    page_size: int = setting(16, help="tokens per KV page (default: %(default)s)", group=KV_GROUP)
+    """16 for offline engines and workers alike: a page's KV moves between workers
+    in one piece and the attention kernels walk one page-table entry per page, so
+    bigger pages cost less per token; the prefix cache shares whole pages only,
+    so a smaller size shares more of partly common prompts."""
+    num_pages: int | None = setting(
+        None,
+        help="pages in the KV pool (page 0 is reserved); default: sized from --kv-cache-memory-gb",
+        group=KV_GROUP,
+    )
+    kv_cache_memory_gb: float = setting(
+        0.25,
+        help="memory of the KV pool when --num-pages is not given (default: %(default)s)",
+        group=KV_GROUP,
+    )
+    max_num_batched_tokens: int = setting(
+        2048,
+        help="token budget of one forward: prefill chunks plus decode tokens "
+        "(default: %(default)s)",
+        group=KV_GROUP,
+    )
+    chunk_size: int | None = setting(
+        None,
+        help="largest prefill chunk of one request per step (default: the token budget)",
+        group=KV_GROUP,
+    )
+    max_running_requests: int = setting(
+        256, help="requests admitted at once (default: %(default)s)", group=KV_GROUP
+    )
+    enable_prefix_cache: bool = setting(
+        True,
+        help="share KV of common prompt prefixes across requests (default: on)",
+        group=KV_GROUP,
+    )
+    overlap: bool = setting(
+        True,
+        help="schedule step N+1 while step N runs (offline engines; no worker flag: the "
+        "decode and colocated loops always overlap, the prefill loop never does)",
+        flag=False,
+    )
+    extra: dict[str, Any] = setting(
+        help="free-form options of experiments (no worker flag: not a scalar)",
+        flag=False,
+        default_factory=dict,
+    )
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_CHOICES:
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}; "
+                f"choose from {', '.join(ATTENTION_CHOICES)}"
+            )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_cache_memory_gb must be > 0")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -228,14 +184,30 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
+        from engine.model_config import parse_dtype
+
         return parse_dtype(self.dtype)
 
     @property
     def effective_chunk_size(self) -> int:
         return min(self.chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
 
+    def resolve_model_and_device(self) -> EngineConfig:
+        """A new config whose model and device are concrete: the built-in tiny
+        model for None (written on first use), cuda when available for "auto".
+        Imports torch: call it where the engine runs."""
+        model = self.model
+        if model is None:
+            from engine.tiny import ensure_tiny_model
+
+            model = str(ensure_tiny_model())
+        return replace(self, model=model, device=_concrete_device(self.device))
+
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """Fill the 'auto' values from the model (returns a new config)."""
+        from engine.kvcache.pool import KVPoolConfig
+
+        device = _concrete_device(self.device)
         ctx = self.context_length or model_config.max_position_embeddings
         num_pages = self.num_pages
         if num_pages is None:
@@ -248,7 +220,7 @@ class EngineConfig:
         if backend == "auto":
             from engine.attention.flashinfer import flashinfer_usable
 
-            usable = flashinfer_usable(self.device, model_config.dtype, model_config.head_dim)
+            usable = flashinfer_usable(device, model_config.dtype, model_config.head_dim)
             backend = "flashinfer" if usable else "torch_native"
         graph_bs = self.cuda_graph_max_bs
         if graph_bs is None:
@@ -257,8 +229,17 @@ class EngineConfig:
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
         return replace(
             self,
+            device=device,
             context_length=ctx,
             num_pages=num_pages,
             attention_backend=backend,
             cuda_graph_max_bs=graph_bs,
         )
+
+
+def _concrete_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.request import EngineRequestError, Request, StepOutput
 from engine.runner import ForwardOutput, ModelRunner
 from engine.scheduler import ScheduledBatch, Scheduler

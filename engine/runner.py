@@ -11,10 +11,11 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.flashinfer import FlashInferAttention
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool, KVPoolConfig
+from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.sampling import SamplingBatch, sample
 from engine.weights import init_dummy_weights, iter_safetensors

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.kvcache.pool import KVPool
 from engine.kvcache.radix import RadixCache
+from engine.model_config import ModelConfig
 from engine.request import Request, StepOutput
 from engine.runner import ForwardOutput
 from engine.sampling import SamplingBatch
@@ -67,6 +68,25 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def admit_prefilled(self, req: Request) -> None:
+        """``req`` joins the running batch without being prefilled here: its
+        pages (from ``reserve_prompt``) hold the whole prompt's KV, written by
+        another engine, and its first token is already in ``fill_ids``."""
+        assert req.num_computed == len(req.fill_ids) - 1, "the prompt's KV must be complete"
+        self.running.append(req)
+
+    def detach(self, req: Request) -> bool:
+        """Take ``req`` out of the waiting queue or the running batch without
+        finishing it: it keeps its pages (someone may still read them) until
+        ``release``. False if the scheduler did not hold it."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+        else:
+            return False
+        return True
 
     def abort(self, rid: str) -> Request | None:
         for req in self.waiting:

@@ -12,114 +12,151 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from gateway.app import GatewayState, build_app
-from gateway.config import GatewayConfig
+from gateway.app import build_app
+from gateway.config import LOG_LEVELS, GatewayConfig
 from gateway.dispatch import Dispatcher
-from gateway.embedded import EmbeddedConfig, EmbeddedWorkers
-from gateway.router import DECODE_POLICIES, PREFILL_POLICIES, HealthChecker, Router, RouterConfig
+from gateway.routing import DECODE_POLICIES, PREFILL_POLICIES, HealthChecker, Router, RouterConfig
+from gateway.state import GatewayState
+
+if TYPE_CHECKING:
+    from gateway.embedded import EmbeddedConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Imported here, not at the top: gateway.embedded imports worker modules,
+    # and importing the gateway imports none (its process stays torch-free).
+    from gateway.embedded import EmbeddedConfig
+
+    gw, rc, em = GatewayConfig(), RouterConfig(), EmbeddedConfig()
     ap = argparse.ArgumentParser(
         prog="python -m gateway",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--host", default="0.0.0.0", help="address to serve on (default: 0.0.0.0)")
-    ap.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
-    ap.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
+    ap.add_argument("--host", default=gw.host, help="address to serve on (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=gw.port, help="HTTP port (default: %(default)s)")
     ap.add_argument(
-        "--decode", nargs="*", default=[], metavar="URL", help="decode (or --role both) worker URLs"
+        "--prefill", nargs="*", default=list(gw.prefill), metavar="URL", help="prefill worker URLs"
     )
     ap.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: the workers')"
+        "--decode",
+        nargs="*",
+        default=list(gw.decode),
+        metavar="URL",
+        help="decode (or --role both) worker URLs",
     )
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument(
+        "--served-model-name",
+        default=gw.served_model_name,
+        help="model name clients use (default: the workers')",
+    )
+    ap.add_argument(
+        "--api-key", default=gw.api_key, help="require 'Authorization: Bearer KEY' on /v1/*"
+    )
     ap.add_argument(
         "--admin-key",
-        default=None,
+        default=gw.admin_key,
         help="require this bearer key on /admin/* (worker registration)",
     )
     ap.add_argument(
         "--prefill-policy",
-        default="cache_aware",
+        default=rc.prefill_policy,
         choices=sorted(PREFILL_POLICIES),
-        help="how a prefill worker is picked (default: cache_aware)",
+        help="how a prefill worker is picked (default: %(default)s)",
     )
     ap.add_argument(
         "--decode-policy",
-        default="least_load",
+        default=rc.decode_policy,
         choices=sorted(DECODE_POLICIES),
-        help="how a decode worker is picked (default: least_load)",
+        help="how a decode worker is picked (default: %(default)s)",
     )
     ap.add_argument(
         "--skip-prefill-threshold",
         type=int,
-        default=0,
+        default=rc.skip_prefill_threshold,
         help="prompts of at most this many tokens go to a decode worker alone (0: never)",
     )
     ap.add_argument(
         "--request-timeout-s",
         type=float,
-        default=600.0,
-        help="every request ends within this many seconds (default: 600)",
+        default=gw.request_timeout_s,
+        help=f"every request ends within this many seconds (default: {gw.request_timeout_s:g})",
     )
     ap.add_argument(
         "--worker-timeout-s",
         type=float,
-        default=120.0,
-        help="fail a request when its worker sends nothing for this long (default: 120)",
+        default=gw.worker_timeout_s,
+        help="fail a request when its worker sends nothing for this long "
+        f"(default: {gw.worker_timeout_s:g})",
     )
     ap.add_argument(
         "--connect-timeout-s",
         type=float,
-        default=3.0,
+        default=gw.connect_timeout_s,
         help="how long a request waits for a connection to the worker it was routed to "
-        "before it is sent to another worker (default: 3)",
+        f"before it is sent to another worker (default: {gw.connect_timeout_s:g})",
     )
     ap.add_argument(
         "--health-interval-s",
         type=float,
-        default=RouterConfig.health_interval_s,
+        default=rc.health_interval_s,
         help="seconds between two health checks of a worker; a worker failing two in a row "
         "takes no new requests until one passes (default: %(default)s)",
     )
     ap.add_argument(
         "--health-timeout-s",
         type=float,
-        default=RouterConfig.health_timeout_s,
+        default=rc.health_timeout_s,
         help="HTTP timeout of one health check (default: %(default)s)",
     )
     ap.add_argument(
-        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
+        "--max-body-bytes",
+        type=int,
+        default=gw.max_body_bytes,
+        help=f"largest request body (default: {gw.max_body_bytes / (1 << 20):g} MiB)",
     )
     ap.add_argument(
         "--max-prompt-tokens",
         type=int,
-        default=None,
+        default=gw.max_prompt_tokens,
         help="largest prompt in tokens (default: the model's context window)",
     )
     emb = ap.add_argument_group("embedded workers (used when no --prefill/--decode is given)")
     emb.add_argument(
-        "--model", default=None, help="checkpoint dir (default: the built-in tiny model)"
+        "--model", default=em.model, help="checkpoint dir (default: the built-in tiny model)"
     )
-    emb.add_argument("--device", default="auto", help="device of both workers (default: auto)")
-    emb.add_argument("--prefill-device", default=None, help="device of the prefill worker")
-    emb.add_argument("--decode-device", default=None, help="device of the decode worker")
+    emb.add_argument(
+        "--device", default=em.device, help="device of both workers (default: %(default)s)"
+    )
+    emb.add_argument(
+        "--prefill-device", default=em.prefill_device, help="device of the prefill worker"
+    )
+    emb.add_argument(
+        "--decode-device", default=em.decode_device, help="device of the decode worker"
+    )
     emb.add_argument(
         "--transfer-backend",
-        default="tcp",
+        default=em.transfer_backend,
         choices=["tcp", "nixl"],
-        help="KV transfer backend between them (default: tcp)",
+        help="KV transfer backend between them (default: %(default)s)",
     )
-    emb.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: 16)")
     emb.add_argument(
-        "--kv-cache-memory-gb", type=float, default=0.25, help="KV pool per worker (default: 0.25)"
+        "--page-size",
+        type=int,
+        default=em.page_size,
+        help="tokens per KV page (default: %(default)s)",
     )
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    emb.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=em.kv_cache_memory_gb,
+        help="KV pool per worker (default: %(default)s)",
+    )
+    ap.add_argument("--log-level", default=gw.log_level, choices=LOG_LEVELS)
     return ap
 
 
@@ -142,35 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         prefill, decode = tuple(args.prefill), tuple(args.decode)
         if not prefill and not decode:
-            emb = stack.enter_context(
-                EmbeddedWorkers(
-                    EmbeddedConfig(
-                        model=args.model,
-                        device=args.device,
-                        prefill_device=args.prefill_device,
-                        decode_device=args.decode_device,
-                        transfer_backend=args.transfer_backend,
-                        page_size=args.page_size,
-                        kv_cache_memory_gb=args.kv_cache_memory_gb,
-                    )
-                )
-            )
+            from gateway.embedded import EmbeddedWorkers
+
+            emb = stack.enter_context(EmbeddedWorkers(_embedded_config(args)))
             prefill, decode = (emb.prefill_url,), (emb.decode_url,)
-        cfg = GatewayConfig(
-            host=args.host,
-            port=args.port,
-            prefill=prefill,
-            decode=decode,
-            served_model_name=args.served_model_name,
-            api_key=args.api_key,
-            admin_key=args.admin_key,
-            router=router_cfg,
-            request_timeout_s=args.request_timeout_s,
-            worker_timeout_s=args.worker_timeout_s,
-            connect_timeout_s=args.connect_timeout_s,
-            max_body_bytes=args.max_body_bytes,
-            max_prompt_tokens=args.max_prompt_tokens,
-        )
+        cfg = _gateway_config(args, prefill, decode, router_cfg)
         router = Router(router_cfg)
         state = GatewayState(
             cfg,
@@ -179,9 +192,47 @@ def main(argv: list[str] | None = None) -> None:
             Dispatcher(router, cfg.worker_timeout_s, cfg.connect_timeout_s),
         )
         server = _Server(
-            uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port, log_level=args.log_level)
+            uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port, log_level=cfg.log_level)
         )
         server.run()
+
+
+def _embedded_config(args: argparse.Namespace) -> EmbeddedConfig:
+    from gateway.embedded import EmbeddedConfig
+
+    return EmbeddedConfig(
+        model=args.model,
+        device=args.device,
+        prefill_device=args.prefill_device,
+        decode_device=args.decode_device,
+        transfer_backend=args.transfer_backend,
+        page_size=args.page_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
+
+
+def _gateway_config(
+    args: argparse.Namespace,
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    router_cfg: RouterConfig,
+) -> GatewayConfig:
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        prefill=prefill,
+        decode=decode,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        admin_key=args.admin_key,
+        router=router_cfg,
+        request_timeout_s=args.request_timeout_s,
+        worker_timeout_s=args.worker_timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        log_level=args.log_level,
+    )
 
 
 class _Server(uvicorn.Server):

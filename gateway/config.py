@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.router import RouterConfig
+from gateway.routing import RouterConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None
     """None: only the model's context window limits prompts."""
+    log_level: str = "info"
+    """One of ``LOG_LEVELS``: the gateway's and its HTTP server's logging."""
 
     def __post_init__(self) -> None:
         if min(self.request_timeout_s, self.worker_timeout_s, self.connect_timeout_s) <= 0:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from gateway.router import Router, WorkerInfo
+from gateway.routing import Router, WorkerInfo
 from protocol.client import (
     DEFAULT_CONNECT_TIMEOUT_S,
     WorkerClient,
@@ -194,7 +194,7 @@ class Dispatcher:
             dclient, pclient = await self._client(decode), await self._client(prefill)
             p_msg = Prefill(rid, prompt_ids, spec, room, decode.bootstrap_endpoint)
             d_msg = Generate(rid, prompt_ids, spec, room, prefill.bootstrap_endpoint)
-            merged = _merge(
+            merged = merge_prefill_decode(
                 _watch(pclient.generate(p_msg), prefill, failed),
                 _watch(dclient.generate(d_msg), decode, failed),
             )
@@ -234,7 +234,7 @@ async def _watch(
         await gen.aclose()  # type: ignore[attr-defined]
 
 
-async def _merge(
+async def merge_prefill_decode(
     p_gen: AsyncIterator[TokenDelta], d_gen: AsyncIterator[TokenDelta]
 ) -> AsyncIterator[tuple[TokenDelta, str]]:
     """Prefill's one delta, then decode's stream. Both start at once; decode's

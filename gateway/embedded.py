@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from worker.config import WorkerConfig
 from worker.processes import free_port, stop_processes, wait_http_ok
 
 STOP_TIMEOUT_S = 30.0
@@ -42,17 +43,18 @@ class EmbeddedWorkers:
 
     def _cmd(self, module: str, role: str, port: int, device: str) -> list[str]:
         c = self.config
-        cmd = [sys.executable, "-m", module, "--role", role, "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--device", device, "--page-size", str(c.page_size)]
-        cmd += ["--kv-cache-memory-gb", str(c.kv_cache_memory_gb)]
-        cmd += ["--transfer-backend", c.transfer_backend]
-        if c.model is not None:
-            cmd += ["--model", c.model]
-        else:
-            from engine.tiny import TINY_MODEL_NAME
-
-            cmd += ["--served-model-name", TINY_MODEL_NAME]
-        return cmd + list(c.extra_args)
+        # With no model the worker serves the built-in tiny model under its name.
+        worker = WorkerConfig.from_settings(
+            role=role,
+            host="127.0.0.1",
+            port=port,
+            model=c.model,
+            device=device,
+            page_size=c.page_size,
+            kv_cache_memory_gb=c.kv_cache_memory_gb,
+            transfer_backend=c.transfer_backend,
+        )
+        return [sys.executable, "-m", module, *worker.to_argv(), *c.extra_args]
 
     def __enter__(self) -> EmbeddedWorkers:
         c = self.config

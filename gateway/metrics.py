@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import defaultdict
 
-from gateway.router import Router
+from gateway.routing import Router
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -67,3 +68,24 @@ class GatewayMetrics:
             ok = 1 if router.is_available(w) else 0
             lines.append(f'gateway_worker_healthy{{url="{w.url}",role="{w.role}"}} {ok}')
         return "\n".join(lines) + "\n"
+
+
+class RequestTiming:
+    """TTFT and ITL of each choice of a request, into the gateway's histograms."""
+
+    def __init__(self, metrics: GatewayMetrics, n: int, started: float) -> None:
+        self.metrics = metrics
+        self.started = started
+        self.last: list[float | None] = [None] * n
+
+    def observe(self, i: int, num_tokens: int) -> None:
+        """Choice ``i`` produced an event with ``num_tokens`` tokens."""
+        if not num_tokens:
+            return
+        t = time.monotonic()
+        last = self.last[i]
+        if last is None:
+            self.metrics.ttft.observe(t - self.started)
+        else:
+            self.metrics.itl.observe(t - last)
+        self.last[i] = t

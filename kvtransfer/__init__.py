@@ -1,15 +1,18 @@
 """KV-cache transfer between prefill and decode workers.
 
 Backends are looked up by name; their modules are imported only when used, so
-a missing optional dependency (``nixl``) only matters to whoever asks for it.
+a missing optional dependency (``nixl``) only matters to whoever asks for it,
+and the names (the worker's ``--transfer-backend`` choices) can be listed
+without importing torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtransfer.backend import TransferBackend
+if TYPE_CHECKING:
+    from kvtransfer.backend import TransferBackend
 
 # name -> "module:Class", resolved lazily by backend_class().
 TRANSFER_BACKENDS: dict[str, str] = {

@@ -92,6 +92,14 @@ def make_hf_model(variant: str, seed: int = 0) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The built-in tiny model's checkpoint directory (built on first use)."""
+    from engine.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="session")
 def hf_checkpoint(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[..., tuple[Path, torch.nn.Module]]:

@@ -30,7 +30,7 @@ from workers import REPO, launch_gateway, log_tail
 from benchmarks import bench_serving as bench
 from benchmarks import compare_pd
 from benchmarks.dummy_model import write_dummy_model
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.tiny import MODEL_CONFIG
 from gateway.text import Tokenizer
 
@@ -401,6 +401,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
         yield url, log_path
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
 def test_against_the_gateway(gateway: tuple[str, Path], backend: str, tmp_path: Path) -> None:
     url, log_path = gateway
@@ -461,6 +462,7 @@ def _procs_mentioning(marker: str) -> list[str]:
     return found
 
 
+@pytest.mark.e2e
 def test_compare_pd_smoke(tmp_path: Path) -> None:
     """Both deployments on a tiny-shaped dummy model (config.json + synthetic
     tokenizer only): the workers accept the directory, the gateway serves its

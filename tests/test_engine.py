@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
-from engine.config import ModelConfig, ModelConfigError
 from engine.llm import LLM
+from engine.model_config import ModelConfig, ModelConfigError
 from engine.request import EngineRequestError
 from engine.weights import WeightLoadError
 from protocol.sampling import InvalidSamplingParams, SamplingParams
@@ -61,7 +61,12 @@ def test_greedy_matches_hf_generate(hf_checkpoint, variant: str, page_size: int)
     path, hf = hf_checkpoint(variant)
     # A small token budget forces chunked prefill mixed with decode steps.
     llm = LLM(
-        str(path), page_size=page_size, num_pages=512, max_num_batched_tokens=24, chunk_size=7
+        str(path),
+        device="cpu",
+        page_size=page_size,
+        num_pages=512,
+        max_num_batched_tokens=24,
+        chunk_size=7,
     )
     prompts = prompts_of([3, 11, 30, 17, 1])
     outs = llm.generate(prompts, GREEDY32)
@@ -75,12 +80,12 @@ def test_prefix_cache_hit_equals_cold_run(hf_checkpoint) -> None:
     path, _ = hf_checkpoint("llama-mha-llama3rope")
     shared = prompts_of([40], seed=7)[0]
     prompts = prompts_of([5, 9, 1, 14], seed=8, prefix=shared)
-    cold = LLM(str(path), page_size=4, num_pages=256, enable_prefix_cache=False)
+    cold = LLM(str(path), device="cpu", page_size=4, num_pages=256, enable_prefix_cache=False)
     expected = cold.generate(prompts, GREEDY32)
     assert all(o.num_cached_tokens == 0 for o in expected)
     assert_no_leak(cold)
 
-    warm = LLM(str(path), page_size=4, num_pages=256)
+    warm = LLM(str(path), device="cpu", page_size=4, num_pages=256)
     first = warm.generate(prompts[:1], GREEDY32)
     again = warm.generate(prompts, GREEDY32)
     assert first[0].token_ids == expected[0].token_ids
@@ -96,10 +101,10 @@ def test_prefix_cache_hit_equals_cold_run(hf_checkpoint) -> None:
 def test_pool_pressure_retracts_and_stays_correct(hf_checkpoint, overlap: bool) -> None:
     path, _ = hf_checkpoint("qwen3-gqa2-tied")
     prompts = prompts_of([20, 25, 12, 30, 8, 16, 22, 27], seed=9)
-    roomy = LLM(str(path), page_size=4, num_pages=512, overlap=False)
+    roomy = LLM(str(path), device="cpu", page_size=4, num_pages=512, overlap=False)
     expected = [o.token_ids for o in roomy.generate(prompts, GREEDY32)]
     # Each request needs up to 16 pages; 40 pages cannot hold all 8 at once.
-    tight = LLM(str(path), page_size=4, num_pages=41, overlap=overlap)
+    tight = LLM(str(path), device="cpu", page_size=4, num_pages=41, overlap=overlap)
     got = tight.generate(prompts, GREEDY32)
     assert [o.token_ids for o in got] == expected
     assert tight.engine.scheduler.num_retracted > 0
@@ -108,7 +113,7 @@ def test_pool_pressure_retracts_and_stays_correct(hf_checkpoint, overlap: bool) 
 
 def test_seeded_sampling_is_reproducible_across_batches(hf_checkpoint) -> None:
     path, _ = hf_checkpoint("qwen2-gqa2")
-    llm = LLM(str(path), page_size=1, num_pages=1024)
+    llm = LLM(str(path), device="cpu", page_size=1, num_pages=1024)
     prompts = prompts_of([6, 13, 9], seed=11)
     sp = SamplingParams(
         max_tokens=16, temperature=1.3, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
@@ -128,7 +133,7 @@ def test_seeded_sampling_is_reproducible_across_batches(hf_checkpoint) -> None:
 
 def test_stop_conditions(hf_checkpoint) -> None:
     path, _ = hf_checkpoint("llama-gqa4-tied")
-    llm = LLM(str(path), page_size=2, num_pages=256)
+    llm = LLM(str(path), device="cpu", page_size=2, num_pages=256)
     p = prompts_of([10], seed=12)[0]
     full = llm.generate([p], GREEDY32)[0].token_ids
     stop_tok = full[5]
@@ -138,14 +143,14 @@ def test_stop_conditions(hf_checkpoint) -> None:
     )[0]
     assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
     # The model's EOS ends generation unless ignore_eos.
-    eos_llm = LLM(str(path), page_size=2, num_pages=256)
+    eos_llm = LLM(str(path), device="cpu", page_size=2, num_pages=256)
     object.__setattr__(eos_llm.engine.model_config, "eos_token_ids", (stop_tok,))
     out = eos_llm.generate([p], SamplingParams(max_tokens=32, temperature=0))[0]
     assert out.token_ids == full[: first + 1] and out.finish_reason == "stop"
     out = llm.generate([p], SamplingParams(max_tokens=7, temperature=0))[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
     # The context window caps generation too.
-    short = LLM(str(path), page_size=2, num_pages=256, context_length=14)
+    short = LLM(str(path), device="cpu", page_size=2, num_pages=256, context_length=14)
     out = short.generate([p], GREEDY32)[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     for x in (llm, eos_llm, short):
@@ -154,7 +159,7 @@ def test_stop_conditions(hf_checkpoint) -> None:
 
 def test_request_errors(hf_checkpoint) -> None:
     path, _ = hf_checkpoint("llama-gqa4-tied")
-    llm = LLM(str(path), page_size=4, num_pages=12, context_length=64)
+    llm = LLM(str(path), device="cpu", page_size=4, num_pages=12, context_length=64)
     with pytest.raises(EngineRequestError, match="empty"):
         llm.generate([[]])
     with pytest.raises(EngineRequestError, match="context length is 64"):
@@ -228,7 +233,7 @@ def test_missing_and_mismatched_weights(hf_checkpoint, tmp_path) -> None:
 
 def test_overlap_launches_next_step_before_reading_the_last(hf_checkpoint) -> None:
     path, _ = hf_checkpoint("llama-gqa4-tied")
-    llm = LLM(str(path), page_size=4, num_pages=64)
+    llm = LLM(str(path), device="cpu", page_size=4, num_pages=64)
     eng = llm.engine
     prompt = prompts_of([9], seed=13)[0]
     eng.add_request("a", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))

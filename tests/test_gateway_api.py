@@ -45,14 +45,17 @@ from workers import (
 )
 
 from engine.llm import LLM, GenerationOutput
-from engine.tiny import TINY_MODEL_NAME, ensure_tiny_model
-from gateway.app import GatewayState, build_app
+from engine.tiny import TINY_MODEL_NAME
+from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.router import HealthChecker, Router, RouterConfig
+from gateway.routing import HealthChecker, Router, RouterConfig
+from gateway.state import GatewayState
 from gateway.text import Tokenizer
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from worker.cli import CLUSTER_TOKEN_ENV
+
+pytestmark = pytest.mark.e2e
 
 MODEL = TINY_MODEL_NAME
 API_KEY = "gw-test-key"
@@ -202,11 +205,6 @@ def wait_gateway(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> Non
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(ensure_tiny_model())
 
 
 def _worker_spec(log_dir: Path, name: str, role: str, model_dir: str):
@@ -1363,3 +1361,23 @@ def test_help_lists_every_flag() -> None:
         f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", proc.stdout)
     )
     assert not missing, f"--help does not mention {missing}"
+
+
+def test_flag_defaults_are_the_config_defaults() -> None:
+    from gateway.__main__ import build_parser
+    from gateway.embedded import EmbeddedConfig
+
+    args = build_parser().parse_args([])
+    gw, rc, em = GatewayConfig(), RouterConfig(), EmbeddedConfig()
+    for cfg, names in (
+        (gw, ("host", "port", "served_model_name", "api_key", "admin_key", "request_timeout_s")),
+        (gw, ("worker_timeout_s", "connect_timeout_s", "max_body_bytes", "max_prompt_tokens")),
+        (gw, ("log_level",)),
+        (rc, ("prefill_policy", "decode_policy", "skip_prefill_threshold")),
+        (rc, ("health_interval_s", "health_timeout_s")),
+        (em, ("model", "device", "prefill_device", "decode_device", "transfer_backend")),
+        (em, ("page_size", "kv_cache_memory_gb")),
+    ):
+        for name in names:
+            assert getattr(args, name) == getattr(cfg, name), name
+    assert tuple(args.prefill) == gw.prefill and tuple(args.decode) == gw.decode

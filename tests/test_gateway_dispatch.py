@@ -1,5 +1,7 @@
 """The dispatcher against fake workers on real ZMQ sockets: retry on another
-worker only while nothing was produced, and clients of departed workers closed."""
+worker only while nothing was produced, and clients of departed workers closed.
+The merge of a prefill and a decode stream against scripted streams: order and
+failures, whichever side answers first."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import zmq
 import zmq.asyncio
 from workers import free_port
 
-from gateway.dispatch import Dispatcher, NoWorkerAvailable
-from gateway.router import Router, RouterConfig, WorkerInfo
+from gateway.dispatch import PREFILL_DONE, Dispatcher, NoWorkerAvailable, merge_prefill_decode
+from gateway.routing import Router, RouterConfig, WorkerInfo
 from protocol import to_gateway, to_worker
-from protocol.client import WorkerDisconnected, WorkerUnreachable
+from protocol.client import WorkerDisconnected, WorkerError, WorkerUnreachable
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta, Tokens
 from protocol.to_worker import Abort
@@ -194,3 +196,142 @@ def test_prune_closes_clients_of_departed_workers() -> None:
             assert len(a.requests) == 2 and len(b.requests) == 1
 
     run(go())
+
+
+# -- merging prefill's first token with decode's stream ----------------------------------
+
+
+class ScriptedStream:
+    """A worker's delta stream fed by the test one item at a time: a
+    ``TokenDelta`` is yielded, an exception raised. Notes how many items the
+    merge took and whether it closed the stream before its last delta (what
+    aborts the request on that worker)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
+        self.taken = 0
+        self.finished = False
+        self.aborted = False
+
+    def send(self, item: TokenDelta | BaseException) -> None:
+        self.items.put_nowait(item)
+
+    async def stream(self) -> AsyncIterator[TokenDelta]:
+        try:
+            while True:
+                item = await self.items.get()
+                self.taken += 1
+                if isinstance(item, BaseException):
+                    raise item
+                # Closed once its final delta is out: not an abort.
+                self.finished = item.finish_reason is not None
+                yield item
+                if self.finished:
+                    return
+        finally:
+            self.aborted = not self.finished
+
+
+class MergeRun:
+    """``merge_prefill_decode`` over two scripted streams, consumed by a task
+    into ``out``."""
+
+    def __init__(self) -> None:
+        self.prefill, self.decode = ScriptedStream(), ScriptedStream()
+        self.out: list[tuple[TokenDelta, str]] = []
+        self.task = asyncio.create_task(self._consume())
+
+    async def _consume(self) -> None:
+        merged = merge_prefill_decode(self.prefill.stream(), self.decode.stream())
+        async for item in merged:
+            self.out.append(item)
+
+    async def result(self) -> None:
+        """The merge's end (its exception, if it failed)."""
+        await asyncio.wait_for(self.task, 5)
+
+
+async def settle() -> None:
+    """Let every ready task run until all wait again (nothing here does I/O)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+RID = "cmpl-merge-0"
+
+
+def test_merge_holds_a_decode_stream_that_ends_before_prefill_answers() -> None:
+    """Decode's deltas, its final one included, arrive before prefill's first
+    token: they wait, and go out in order after prefill's token."""
+
+    async def go() -> None:
+        run = MergeRun()
+        d1 = TokenDelta(RID, [11], [-0.5])
+        d2 = TokenDelta(RID, [12], [-0.25], "length")
+        run.decode.send(d1)
+        run.decode.send(d2)
+        await settle()
+        assert run.out == [], "decode's tokens went out before prefill's"
+        assert not run.task.done()
+        run.prefill.send(TokenDelta(RID, [10], [-1.0], PREFILL_DONE, num_cached_tokens=4))
+        await run.result()
+        # Prefill's delta goes out as a running one: the request goes on at decode.
+        first = TokenDelta(RID, [10], [-1.0], None, num_cached_tokens=4)
+        assert run.out == [(first, "prefill"), (d1, "decode"), (d2, "decode")]
+        assert run.prefill.taken == 1 and not run.prefill.aborted
+        assert run.decode.taken == 2 and not run.decode.aborted
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["error_delta", "exception"])
+def test_merge_decode_failing_before_prefill_answers_aborts_prefill(how: str) -> None:
+    """Decode refuses or fails before prefill's first token: the request ends
+    with decode's error, and prefill's stream is closed (its request aborted)
+    without ever being read; a token it sends later never goes out."""
+
+    async def go() -> None:
+        run = MergeRun()
+        await settle()
+        if how == "error_delta":
+            refused = TokenDelta(RID, [], [], "error", error="no room for the KV")
+            run.decode.send(refused)
+            await run.result()
+            assert run.out == [(refused, "decode")]
+        else:
+            run.decode.send(WorkerDisconnected("decode worker went away"))
+            with pytest.raises(WorkerDisconnected, match="decode worker went away"):
+                await run.result()
+            assert run.out == []
+        assert run.prefill.aborted and run.prefill.taken == 0
+        run.prefill.send(TokenDelta(RID, [10], [-1.0], PREFILL_DONE))
+        await settle()
+        assert run.prefill.taken == 0 and len(run.out) == (1 if how == "error_delta" else 0)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["error_delta", "exception"])
+def test_merge_prefill_failing_after_decode_started_aborts_decode(how: str) -> None:
+    """Decode has sent its first token, still held, when prefill fails: the
+    request ends with prefill's error, decode's held token never goes out, and
+    decode's stream is closed (its request aborted)."""
+
+    async def go() -> None:
+        run = MergeRun()
+        run.decode.send(TokenDelta(RID, [11], [-0.5]))
+        await settle()
+        assert run.decode.taken == 1 and run.out == []
+        if how == "error_delta":
+            failed = TokenDelta(RID, [], [], "error", error="prefill ran out of pages")
+            run.prefill.send(failed)
+            await run.result()
+            assert run.out == [(failed, "prefill")]
+        else:
+            run.prefill.send(WorkerError("prefill worker crashed"))
+            with pytest.raises(WorkerError, match="prefill worker crashed"):
+                await run.result()
+            assert run.out == []
+        assert run.decode.aborted and run.decode.taken == 1
+
+    asyncio.run(go())

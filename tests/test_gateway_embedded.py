@@ -13,6 +13,8 @@ import openai
 import pytest
 from workers import launch_gateway, log_tail
 
+pytestmark = pytest.mark.e2e
+
 START_TIMEOUT_S = 120.0
 """The gateway plus two workers loading the model on a small CPU machine."""
 EXIT_TIMEOUT_S = 30.0

@@ -1,6 +1,6 @@
-"""Unit tests of the gateway's routing layer (gateway/router.py): no real
-workers; the health checker talks to a plain http.server fake worker or to an
-httpx.MockTransport."""
+"""Unit tests of the gateway's routing layer (gateway/routing/): no real
+workers; the health checker and the worker admin talk to a plain http.server
+fake worker or to an httpx.MockTransport."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import httpx
 import pytest
 from workers import free_port
 
-from gateway.router import (
+from gateway.routing import (
     DECODE_POLICIES,
     PREFILL_POLICIES,
     ApproxPrefixTree,
@@ -29,6 +29,7 @@ from gateway.router import (
     HealthChecker,
     Router,
     RouterConfig,
+    WorkerAdmin,
     WorkerInfo,
     WorkerPool,
     WorkerRoleMismatch,
@@ -493,7 +494,7 @@ def test_add_worker_takes_role_and_endpoints_from_server_info(fake_worker: FakeW
     async def main() -> WorkerInfo:
         router = make_router()
         async with HealthChecker(router) as hc:
-            w = await hc.add_worker(fake_worker.url + "/")
+            w = await WorkerAdmin(router, hc.probe).add_worker(fake_worker.url + "/")
             assert router.prefill.get(fake_worker.url) is w
             return w
 
@@ -509,32 +510,33 @@ def test_add_worker_role_mismatch_and_unreachable(fake_worker: FakeWorker) -> No
     async def main() -> None:
         router = make_router()
         hc = HealthChecker(router, RouterConfig(health_timeout_s=1.0))
+        admin = WorkerAdmin(router, hc.probe)
         try:
             with pytest.raises(
                 WorkerRoleMismatch, match="added as 'decode'.*reports role 'prefill'"
             ):
-                await hc.add_worker(fake_worker.url, role="decode")
+                await admin.add_worker(fake_worker.url, role="decode")
             assert router.workers() == []
-            assert (await hc.add_worker(fake_worker.url, role="prefill")).role == "prefill"
+            assert (await admin.add_worker(fake_worker.url, role="prefill")).role == "prefill"
             # A colocated worker joins the decode pool under role "decode" (--decode URL).
             router.remove(fake_worker.url)
             fake_worker.role = "both"
-            w = await hc.add_worker(fake_worker.url, role="decode")
+            w = await admin.add_worker(fake_worker.url, role="decode")
             assert w.role == "both" and router.get(fake_worker.url) in router.decode.list()
             with pytest.raises(WorkerRoleMismatch, match="added as 'prefill'"):
-                await hc.add_worker(fake_worker.url, role="prefill")
+                await admin.add_worker(fake_worker.url, role="prefill")
             router.remove(fake_worker.url)
             fake_worker.role = "prefill"
             dead = f"http://127.0.0.1:{free_port()}"
             with pytest.raises(WorkerUnreachable, match=f"cannot reach worker {dead}"):
-                await hc.add_worker(dead)
+                await admin.add_worker(dead)
             fake_worker.status = 503
             router.remove(fake_worker.url)
             with pytest.raises(WorkerUnreachable, match="answered 503"):
-                await hc.add_worker(fake_worker.url)
+                await admin.add_worker(fake_worker.url)
             assert router.workers() == []
             with pytest.raises(ValueError, match="unknown worker role"):
-                await hc.add_worker(fake_worker.url, role="encode")
+                await admin.add_worker(fake_worker.url, role="encode")
         finally:
             await hc.stop()
 
@@ -552,7 +554,7 @@ def test_health_checker_marks_a_dead_worker_unhealthy_within_the_interval(
     async def main() -> tuple[float, float]:
         router = Router(cfg)
         hc = HealthChecker(router)
-        w = await hc.add_worker(fake_worker.url)
+        w = await WorkerAdmin(router, hc.probe).add_worker(fake_worker.url)
         await hc.start()
         try:
             await asyncio.sleep(0.5)
@@ -592,7 +594,7 @@ def test_health_checker_readmits_and_refreshes_with_a_mock_transport() -> None:
         cfg = RouterConfig(prefill_policy="cache_aware", health_interval_s=60, unhealthy_after=3)
         router = Router(cfg)
         hc = HealthChecker(router, transport=httpx.MockTransport(handler))
-        w = await hc.add_worker("http://w0:8000")
+        w = await WorkerAdmin(router, hc.probe).add_worker("http://w0:8000")
         ids = prompt(60, 64)
         assert router.pick_prefill(ids) is w
         policy = router.prefill_policy
@@ -627,6 +629,36 @@ def test_health_checker_readmits_and_refreshes_with_a_mock_transport() -> None:
     asyncio.run(main())
 
 
+def test_worker_admin_lists_and_drains() -> None:
+    """Workers added through the admin are listed (draining ones too) until
+    their last request ends; the admin shares the health checker's client."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        return httpx.Response(200, json=server_info(url, "decode"))
+
+    async def main() -> None:
+        router = make_router()
+        hc = HealthChecker(router, transport=httpx.MockTransport(handler))
+        admin = WorkerAdmin(router, hc.probe)
+        try:
+            w = await admin.add_worker("http://d0:9000", role="decode")
+            await admin.add_worker("http://d1:9000")
+            assert [x["url"] for x in admin.list_workers()] == ["http://d0:9000", "http://d1:9000"]
+            router.begin(w, 10)
+            assert await admin.remove_worker("http://d0:9000") is w
+            listed = {x["url"]: x for x in admin.list_workers()}
+            assert listed["http://d0:9000"]["draining"] is True
+            assert listed["http://d0:9000"]["outstanding_requests"] == 1
+            router.end(w, 10, ok=True)
+            assert [x["url"] for x in admin.list_workers()] == ["http://d1:9000"]
+            assert await admin.remove_worker("http://nope:1") is None
+        finally:
+            await hc.stop()
+
+    asyncio.run(main())
+
+
 def test_health_checker_start_stop_leaves_no_tasks() -> None:
     async def main() -> None:
         router = make_router()
@@ -649,7 +681,7 @@ def test_health_checker_start_stop_leaves_no_tasks() -> None:
 
 def test_router_module_does_not_import_torch() -> None:
     code = (
-        "import sys, gateway.router\n"
+        "import sys, gateway.routing\n"
         "bad = [m for m in ('torch', 'transformers', 'engine.engine', 'worker') "
         "if m in sys.modules]\n"
         "assert not bad, bad\n"

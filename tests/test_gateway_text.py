@@ -1,4 +1,4 @@
-"""Tests for the gateway's text layer (gateway/text.py).
+"""Tests for the gateway's text layer (gateway/text/).
 
 Reference: transformers' ``AutoTokenizer`` on the same files, for the built-in tiny model
 (byte-level BPE, ChatML template) and for tokenizers built here with ``tokenizers``:
@@ -554,7 +554,7 @@ def test_detokenizer_random_ids_equal_full_decode(pairs, kind):
     tok, hf = pairs[kind]
     rng = random.Random(1234)
     n = tok.vocab_size
-    byte_ids = sorted(tok._byte_fallback_ids) or list(range(n))
+    byte_ids = sorted(tok.byte_fallback_ids) or list(range(n))
     special = [tok.token_to_id(t) for t in tok.special_tokens.values()]
     for trial in range(400):
         length = rng.randrange(0, 40)
@@ -629,13 +629,13 @@ def test_detokenizer_metaspace_prefix_space(pairs):
 def test_detokenizer_window_stays_small(pairs, monkeypatch):
     tok, _ = pairs["tiny"]
     seen = []
-    orig = tok._decode_raw
+    orig = tok.decode_raw
 
     def spy(ids, skip):
         seen.append(len(ids))
         return orig(ids, skip)
 
-    monkeypatch.setattr(tok, "_decode_raw", spy)
+    monkeypatch.setattr(tok, "decode_raw", spy)
     ids = tok.encode(CORPUS * 3, add_special_tokens=False)
     assert len(ids) > 2000
     det = IncrementalDetokenizer(tok)

@@ -16,11 +16,11 @@ import pytest
 import torch
 from workers import launch_gateway, log_tail
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.llm import LLM
+from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
-from engine.tiny import ensure_tiny_model
 from kvtransfer.nixl import nixl_available
 from protocol.sampling import SamplingParams
 
@@ -40,11 +40,6 @@ def _devices() -> tuple[str, str]:
     """Prefill and decode devices: two GPUs when there are two."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return ("cuda:0", "cuda:1") if n >= 2 else ("cuda:0", "cuda:0")
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(ensure_tiny_model())
 
 
 def test_engine_matches_hf_on_cuda(model_dir: str) -> None:

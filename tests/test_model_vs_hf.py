@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import TINY_VARIANTS
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 TOL = 1e-4
@@ -17,7 +18,9 @@ TOL = 1e-4
 
 def make_runner(model_dir, page_size: int, num_pages: int = 256) -> ModelRunner:
     mc = ModelConfig.load(model_dir)
-    cfg = EngineConfig(model=str(model_dir), page_size=page_size, num_pages=num_pages).resolve(mc)
+    cfg = EngineConfig(
+        model=str(model_dir), device="cpu", page_size=page_size, num_pages=num_pages
+    ).resolve(mc)
     return ModelRunner(cfg, mc)
 
 
@@ -122,7 +125,7 @@ def test_sharded_checkpoint(hf_checkpoint) -> None:
 def test_half_precision_close_to_hf(hf_checkpoint, dtype: torch.dtype) -> None:
     path, hf = hf_checkpoint("qwen3-gqa2-tied")
     mc = ModelConfig.load(path, dtype)
-    cfg = EngineConfig(model=str(path), page_size=4, num_pages=64).resolve(mc)
+    cfg = EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64).resolve(mc)
     runner = ModelRunner(cfg, mc)
     assert runner.pool.kv.dtype == dtype
     assert next(runner.model.parameters()).dtype == dtype

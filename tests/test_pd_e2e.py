@@ -36,7 +36,6 @@ import pytest
 from workers import Worker, dump_log, free_port, launch_worker, launch_workers, worker_cmd
 
 from engine.llm import LLM
-from engine.tiny import ensure_tiny_model
 from kvtransfer.nixl import nixl_available
 from prefill_server.scheduler import PREFILL_DONE
 from protocol.client import WorkerClient, WorkerDisconnected, WorkerError
@@ -44,6 +43,8 @@ from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 from worker.cli import CLUSTER_TOKEN_ENV
+
+pytestmark = pytest.mark.e2e
 
 VOCAB = 512
 ENGINE: dict[str, Any] = dict(
@@ -146,11 +147,6 @@ def _leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if failed:
         for w in LIVE:
             dump_log(request.config, w.log_path, 120)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(ensure_tiny_model())
 
 
 Spec = tuple[list[str], int, Path, dict[str, str] | None]

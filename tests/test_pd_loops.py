@@ -6,13 +6,19 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from decode_server.loop import DecodeLoop
+from decode_server.room import DecodeState
+from decode_server.room import Room as DecodeRoom
 from engine.llm import LLM
-from engine.tiny import ensure_tiny_model
+from engine.request import Request
 from prefill_server.loop import PrefillLoop
+from prefill_server.room import PrefillState
+from prefill_server.room import Room as PrefillRoom
 from prefill_server.scheduler import PREFILL_DONE
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
@@ -20,11 +26,6 @@ from protocol.to_worker import Generate, Prefill
 from worker.config import WorkerConfig
 
 GW = b"gateway"
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(ensure_tiny_model())
 
 
 def worker_config(model: str, role: str, **kw) -> WorkerConfig:
@@ -42,7 +43,7 @@ def worker_config(model: str, role: str, **kw) -> WorkerConfig:
         transfer_timeout_s=5.0,
     )
     base.update(kw)
-    return WorkerConfig(**base)
+    return WorkerConfig.from_settings(**base)
 
 
 def prompts_with_shared_prefixes(n: int, seed: int = 0) -> list[list[int]]:
@@ -59,6 +60,8 @@ class Harness:
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, TokenDelta] = {}
         self.p_final: dict[str, TokenDelta] = {}
+        self.p_deltas: dict[str, list[TokenDelta]] = {}
+        """Every delta the prefill loop sent, by request."""
 
     def submit(
         self, rid: str, prompt: list[int], spec: SamplingParams, room: str | None = None
@@ -72,21 +75,51 @@ class Harness:
         end = time.monotonic() + deadline_s
         while self.p.has_work() or self.d.has_work():
             assert time.monotonic() < end, "P/D loops did not drain"
-            for client, delta in self.p.step():
-                assert client == GW
-                self.tokens[delta.rid][:0] = delta.token_ids  # first token goes first
-                self.p_final[delta.rid] = delta
-            for client, delta in self.d.step():
-                assert client == GW
-                self.tokens[delta.rid].extend(delta.token_ids)
-                if delta.finish_reason is not None:
-                    self.finish[delta.rid] = delta
+            self.step()
+
+    def step(self) -> None:
+        self.step_prefill()
+        self.step_decode()
+
+    def step_prefill(self) -> None:
+        for client, delta in self.p.step():
+            assert client == GW
+            self.tokens[delta.rid][:0] = delta.token_ids  # first token goes first
+            self.p_final[delta.rid] = delta
+            self.p_deltas.setdefault(delta.rid, []).append(delta)
+
+    def step_decode(self) -> None:
+        for client, delta in self.d.step():
+            assert client == GW
+            self.tokens[delta.rid].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                assert delta.rid not in self.finish, "a second final delta"
+                self.finish[delta.rid] = delta
+
+    def step_until(self, cond: Callable[[], bool], deadline_s: float = 20.0) -> None:
+        end = time.monotonic() + deadline_s
+        while not cond():
+            assert time.monotonic() < end, "condition not reached"
+            self.step()
 
 
 def assert_pools_idle(loop) -> None:
     s = loop.stats()
     assert s["running"] == 0 and s["waiting"] == 0
     assert s["available_pages"] == s["total_pages"], s
+
+
+def assert_pool_back(
+    loop: PrefillLoop | DecodeLoop, start: dict[str, Any], cached: bool = False
+) -> None:
+    """Nothing runs, waits or holds a room, and the pool's free pages are back
+    to ``start``; with ``cached``, pages the prefix cache holds unlocked (a
+    prefilled prompt) count as free."""
+    s = loop.stats()
+    assert s["running"] == 0 and s["waiting"] == 0 and len(loop.rooms) == 0, s
+    assert s["locked_pages"] == 0, s
+    free = s["available_pages"] if cached else s["free_pages"]
+    assert free == start["free_pages"], (s, start)
 
 
 def _nixl_available() -> bool:
@@ -220,3 +253,176 @@ def test_worker_config_is_frozen(model_dir: str) -> None:
     cfg = worker_config(model_dir, "decode")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.page_size = 8  # type: ignore[misc]
+
+
+def test_reserve_before_prefill(model_dir: str) -> None:
+    """The decode worker's Reserve overtakes the gateway's Prefill: the prefill
+    worker holds it, and the Prefill claims it on arrival and computes at once."""
+    prompt = list(range(10, 40))
+    spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = LLM(model_dir, page_size=4, num_pages=256).generate([prompt], spec)[0]
+    p = PrefillLoop(worker_config(model_dir, "prefill"))
+    d = DecodeLoop(worker_config(model_dir, "decode"))
+    p_start, d_start = p.stats(), d.stats()
+    try:
+        h = Harness(p, d)
+        h.tokens["r"] = []
+        d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
+        h.step_until(lambda: "room-r" in p.unclaimed.reserves)
+        assert len(p.rooms) == 0 and not p.scheduler.has_work()
+        d_room = d.rooms.get("room-r")
+        assert d_room is not None and d_room.state is DecodeState.TRANSFERRING
+        p.submit(Prefill("r", prompt, spec, "room-r", d.bootstrap_endpoint), GW)
+        p_room = p.rooms.get("room-r")
+        assert p_room is not None and p_room.state is PrefillState.COMPUTING
+        assert p_room.reserve is not None and not p.unclaimed.reserves
+        h.run()
+        assert h.tokens["r"] == expected.token_ids
+        assert h.finish["r"].finish_reason == "length"
+        assert [x.finish_reason for x in h.p_deltas["r"]] == [PREFILL_DONE]
+        assert p_room.state is PrefillState.DONE and d_room.state is DecodeState.DECODING
+        assert p.stats()["transfers_ok"] == d.stats()["transfers_ok"] == 1
+        assert_pool_back(p, p_start, cached=True)
+        assert_pool_back(d, d_start, cached=True)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_abort_room_before_prefill(model_dir: str) -> None:
+    """The decode worker aborts a room whose Prefill has not reached the
+    prefill worker: the held reservation is void, and the late Prefill is
+    answered "abort" without computing anything."""
+    prompt = list(range(10, 40))
+    spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    p = PrefillLoop(worker_config(model_dir, "prefill"))
+    d = DecodeLoop(worker_config(model_dir, "decode"))
+    p_start, d_start = p.stats(), d.stats()
+    try:
+        h = Harness(p, d)
+        h.tokens["r"] = []
+        d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
+        h.step_until(lambda: "room-r" in p.unclaimed.reserves)
+        d_room = d.rooms.get("room-r")
+        assert d_room is not None
+        d.abort("r")
+        # The request ends now; its pages wait for the prefill worker's word.
+        assert d_room.state is DecodeState.DRAINING
+        assert d.stats()["free_pages"] < d_start["free_pages"]
+        h.step_until(lambda: len(d.rooms) == 0)
+        assert d_room.state is DecodeState.CLOSED
+        assert h.finish["r"].finish_reason == "abort"
+        assert "room-r" in p.unclaimed.cancelled and not p.unclaimed.reserves
+
+        p.submit(Prefill("r", prompt, spec, "room-r", d.bootstrap_endpoint), GW)
+        assert len(p.rooms) == 0 and not p.scheduler.has_work()
+        h.run()
+        assert h.p_deltas["r"] == [TokenDelta("r", [], [], "abort", 0)]
+        s = p.stats()
+        assert s["prefix_cache_query_tokens"] == 0  # never admitted to the scheduler
+        assert s["transfers_ok"] == s["transfers_failed"] == 0
+        assert_pool_back(p, p_start)
+        assert_pool_back(d, d_start)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_abort_before_reserve_lands(model_dir: str) -> None:
+    """The requester aborts a Prefill whose Reserve is already on its way: the
+    late Reserve must not bring the aborted room back to compute."""
+    prompt = list(range(10, 40))
+    spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    p = PrefillLoop(worker_config(model_dir, "prefill"))
+    d = DecodeLoop(worker_config(model_dir, "decode"))
+    p_start, d_start = p.stats(), d.stats()
+    try:
+        h = Harness(p, d)
+        h.tokens["r"] = []
+        d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
+        h.step_until(lambda: p.kv.is_connected(d.bootstrap_endpoint))
+        end = time.monotonic() + 10
+        while not p.kv.has_pending():  # the Reserve waits in the prefill's socket
+            assert time.monotonic() < end
+            h.step_decode()
+        p.submit(Prefill("r", prompt, spec, "room-r", d.bootstrap_endpoint), GW)
+        p.abort("r")
+        p_room = p.rooms.get("room-r")
+        assert p_room is not None and p_room.state is PrefillState.ABORTED
+        h.run()
+        assert h.p_deltas["r"] == [TokenDelta("r", [], [], "abort", 0)]
+        assert h.finish["r"].finish_reason == "abort"
+        assert p.stats()["prefix_cache_query_tokens"] == 0
+        assert_pool_back(p, p_start)
+        assert_pool_back(d, d_start)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_decode_drops_dead_prefill(model_dir: str) -> None:
+    """The prefill worker disappears mid-transfer. Decode fails the request at
+    the transfer deadline, keeps its pages for one more timeout (a write could
+    still land), then drops the peer and frees them."""
+    timeout = 1.0
+    p = PrefillLoop(
+        worker_config(model_dir, "prefill", max_num_batched_tokens=8, transfer_timeout_s=timeout)
+    )
+    d = DecodeLoop(worker_config(model_dir, "decode", transfer_timeout_s=timeout))
+    p_start, d_start = p.stats(), d.stats()
+    spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        h = Harness(p, d)
+        h.submit("r", list(range(10, 74)), spec)  # 64 tokens: 8 chunks
+
+        def mid_transfer() -> bool:
+            room = p.rooms.get("room-r")
+            return room is not None and room.state is PrefillState.COMPUTING and room.sent_upto > 0
+
+        h.step_until(mid_transfer)
+        p_room = p.rooms.get("room-r")
+        assert p_room is not None
+        p.close()
+        d_room = d.rooms.get("room-r")
+        assert d_room is not None and d_room.state is DecodeState.TRANSFERRING
+        t0 = time.monotonic()
+        failed_at = None
+        drained_with_pages = False
+        while d.has_work():
+            assert time.monotonic() - t0 < 4 * timeout + 5
+            h.step_decode()
+            if "r" in h.finish and d.rooms.get("room-r") is not None:
+                failed_at = failed_at or time.monotonic()
+                assert d_room.state is DecodeState.DRAINING
+                drained_with_pages = d.stats()["free_pages"] < d_start["free_pages"]
+        assert failed_at is not None and drained_with_pages
+        assert time.monotonic() - failed_at >= 0.9 * timeout
+        assert d_room.state is DecodeState.CLOSED
+        assert h.finish["r"].finish_reason == "error"
+        assert "did not finish within" in (h.finish["r"].error or "")
+        assert d.stats()["transfers_failed"] == 1
+        assert_pool_back(d, d_start)
+        # The dead prefill worker held nothing but its room's pages.
+        p_free = p.stats()["free_pages"]
+        assert p_free + len(p_room.req.page_table) == p_start["free_pages"]
+    finally:
+        d.close()
+
+
+def test_room_moves_are_checked() -> None:
+    prefill = PrefillRoom("a", Request("a", [1], SamplingParams(), 0, 8), "d", 0.0)
+    prefill.move(PrefillState.COMPUTING)
+    prefill.move(PrefillState.SETTLING)
+    with pytest.raises(RuntimeError, match="SETTLING to COMPUTING"):
+        prefill.move(PrefillState.COMPUTING)
+    prefill.move(PrefillState.ABORTED)
+    with pytest.raises(RuntimeError):
+        prefill.move(PrefillState.DONE)
+    decode = DecodeRoom("b", Request("b", [1], SamplingParams(), 0, 8), "p", 0.0)
+    with pytest.raises(RuntimeError, match="WAITING_PAGES to DRAINING"):
+        decode.move(DecodeState.DRAINING)
+    decode.move(DecodeState.TRANSFERRING)
+    decode.move(DecodeState.DRAINING)
+    with pytest.raises(RuntimeError):
+        decode.move(DecodeState.DECODING)
+    decode.move(DecodeState.CLOSED)

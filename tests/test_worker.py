@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,10 +32,7 @@ from workers import (
     worker_cmd,
 )
 
-from decode_server import DECODE_ROLE
 from engine.llm import LLM
-from engine.tiny import ensure_tiny_model
-from prefill_server import PREFILL_ROLE
 from protocol import to_gateway, to_worker
 from protocol.client import (
     WorkerClient,
@@ -48,8 +44,9 @@ from protocol.client import (
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
-from worker.cli import CLUSTER_TOKEN_ENV, build_parser
-from worker.roles import COLOCATED, Role
+from worker.cli import CLUSTER_TOKEN_ENV
+
+pytestmark = pytest.mark.e2e
 
 VOCAB = 512
 ENGINE = dict(
@@ -60,11 +57,6 @@ ENGINE = dict(
     max_running_requests=32,
     context_length=128,
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(ensure_tiny_model())
 
 
 class FakeGateway:
@@ -123,6 +115,28 @@ def worker(
     finally:
         if request.session.testsfailed > failed_before:
             dump_log(request.config, log_path)
+
+
+@pytest.fixture(autouse=True)
+def pool_back_to_start(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test on the shared worker ends with it idle and every page it had at
+    the start available again."""
+    yield
+    if "worker" not in request.fixturenames:
+        return
+    worker: Worker = request.getfixturevalue("worker")
+    start = worker.start_info["stats"]
+    stats = worker.wait_stats(
+        lambda s: (
+            s["running"] == 0
+            and s["waiting"] == 0
+            and s["in_flight"] == 0
+            and s["locked_pages"] == 0
+            and s["available_pages"] == start["available_pages"]
+        ),
+        "idle with every page available",
+    )
+    assert stats["available_pages"] == stats["total_pages"]
 
 
 @pytest.fixture(scope="module")
@@ -515,39 +529,7 @@ def test_client_unreachable_when_nobody_listens() -> None:
     run(go())
 
 
-# -- CLI -----------------------------------------------------------------------------
-
-
-def test_attention_backend_choices_match_the_registry() -> None:
-    from engine.attention import ATTENTION_BACKENDS
-    from worker.config import ATTENTION_BACKENDS as CHOICES
-
-    assert sorted(CHOICES) == sorted(["auto", *ATTENTION_BACKENDS])
-
-
-@pytest.mark.parametrize(
-    ("role", "port"),
-    [(PREFILL_ROLE, 30000), (DECODE_ROLE, 30001)],
-    ids=["prefill_server", "decode_server"],
-)
-def test_help_mentions_every_flag(role: Role, port: int) -> None:
-    module = "prefill_server" if role is PREFILL_ROLE else "decode_server"
-    out = subprocess.run(
-        [sys.executable, "-m", module, "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    flags = [
-        o for a in build_parser(module, (role, COLOCATED), port)._actions for o in a.option_strings
-    ]
-    assert "--role" in flags and "--request-port" in flags
-    missing = [f for f in flags if f not in out.stdout]
-    assert not missing, missing
-    assert f"default: {port}" in out.stdout
-    assert f"default: {role.name}" in out.stdout
+# -- process life ------------------------------------------------------------------
 
 
 def test_startup_failure_exits_with_the_error(tmp_path: Path) -> None:
@@ -579,43 +561,28 @@ def test_engine_death_stops_the_front(model_dir: str, tmp_path: Path) -> None:
     assert "engine process exited with code -9" in log, log
 
 
-# -- end state (keep these last) --------------------------------------------------------
+def test_sigterm_fails_in_flight_requests_and_exits_cleanly(model_dir: str, tmp_path: Path) -> None:
+    port = free_port()
+    cmd = worker_cmd("decode_server", model_dir, port, **ENGINE)
+    with launch_worker(cmd, port, tmp_path / "worker.log") as w:
+        engine_pid = w.info()["engine_pid"]
 
+        async def go() -> list[TokenDelta] | str:
+            got: list[TokenDelta] = []
+            async with WorkerClient(w.endpoint, timeout_s=30) as client:
+                try:
+                    async for d in client.generate(Generate("term-1", [3, 4, 5], greedy(120))):
+                        got.append(d)
+                        if len(got) == 2:
+                            w.proc.send_signal(signal.SIGTERM)
+                except WorkerDisconnected:
+                    return "disconnected"
+            return got
 
-def test_zz_pool_back_to_start_and_idle(worker: Worker) -> None:
-    start = worker.start_info["stats"]
-    stats = worker.wait_stats(
-        lambda s: (
-            s["running"] == 0
-            and s["waiting"] == 0
-            and s["in_flight"] == 0
-            and s["locked_pages"] == 0
-            and s["available_pages"] == start["available_pages"]
-        ),
-        "idle with every page available",
-    )
-    assert stats["available_pages"] == stats["total_pages"]
-
-
-def test_zz_sigterm_fails_in_flight_requests_and_exits_cleanly(worker: Worker) -> None:
-    engine_pid = worker.info()["engine_pid"]
-
-    async def go() -> list[TokenDelta] | str:
-        got: list[TokenDelta] = []
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
-            try:
-                async for d in client.generate(Generate("term-1", [3, 4, 5], greedy(120))):
-                    got.append(d)
-                    if len(got) == 2:
-                        worker.proc.send_signal(signal.SIGTERM)
-            except WorkerDisconnected:
-                return "disconnected"
-        return got
-
-    result = run(go())
-    assert result == "disconnected" or (
-        result[-1].finish_reason == "error" and "shutting down" in (result[-1].error or "")
-    ), result
-    assert worker.proc.wait(30) == 0
+        result = run(go())
+        assert result == "disconnected" or (
+            result[-1].finish_reason == "error" and "shutting down" in (result[-1].error or "")
+        ), result
+        assert w.proc.wait(30) == 0
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)

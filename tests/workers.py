@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from worker import processes
+from worker.config import WorkerConfig
 from worker.processes import free_port as free_port  # re-exported for the tests
 from worker.processes import stop_processes
 
@@ -123,22 +124,15 @@ def worker_cmd(
     *,
     role: str = "both",
     flags: Sequence[str] = (),
-    **engine: Any,
+    **settings: Any,
 ) -> list[str]:
-    """``python -m module --role role ...``: ``engine`` keywords become flags
-    (``num_pages=64`` -> ``--num-pages 64``; True/False -> ``--x``/``--no-x``),
-    ``flags`` are appended verbatim."""
-    cmd = [sys.executable, "-m", module, "--role", role, "--model", model_dir]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    for key, value in engine.items():
-        flag = key.replace("_", "-")
-        if value is True:
-            cmd.append(f"--{flag}")
-        elif value is False:
-            cmd.append(f"--no-{flag}")
-        else:
-            cmd += [f"--{flag}", str(value)]
-    return cmd + list(flags)
+    """``python -m module`` serving ``model_dir`` on 127.0.0.1:``port`` on the CPU:
+    ``WorkerConfig.to_argv`` of these and of ``settings`` (worker or engine
+    settings, e.g. ``num_pages=64``), then ``flags`` verbatim."""
+    config = WorkerConfig.from_settings(
+        role=role, model=model_dir, host="127.0.0.1", port=port, device="cpu", **settings
+    )
+    return [sys.executable, "-m", module, *config.to_argv(), *flags]
 
 
 def start_worker(

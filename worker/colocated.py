@@ -9,7 +9,7 @@ from engine.request import EngineRequestError
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 from worker.config import WorkerConfig
-from worker.loop import WorkerLoop, engine_stats, error_delta, step_delta
+from worker.loop import Outbox, WorkerLoop, abort_delta, engine_stats, error_delta, step_delta
 
 
 class ColocatedLoop(WorkerLoop):
@@ -19,7 +19,7 @@ class ColocatedLoop(WorkerLoop):
         super().__init__(config)
         self.engine = Engine(config.engine_config())
         self._clients: dict[str, bytes] = {}
-        self._outbox: list[tuple[bytes, TokenDelta]] = []
+        self._outbox = Outbox()
         self._inflight: InFlight | None = None
         self._counters = {
             "requests_total": 0,
@@ -60,10 +60,10 @@ class ColocatedLoop(WorkerLoop):
         if out is None or client is None:
             return
         self._counters["requests_aborted_total"] += 1
-        self._outbox.append((client, TokenDelta(rid, [], [], "abort", out.num_cached_tokens)))
+        self._outbox.put(client, abort_delta(rid, out.num_cached_tokens))
 
     def step(self) -> list[tuple[bytes, TokenDelta]]:
-        out, self._outbox = self._outbox, []
+        out = self._outbox.take()
         if not self.engine.has_unfinished() and self._inflight is None:
             return out
         self._inflight, results = self.engine.overlap_step(self._inflight)
@@ -110,4 +110,4 @@ class ColocatedLoop(WorkerLoop):
 
     def _fail(self, client: bytes, rid: str, message: str) -> None:
         self._counters["requests_failed_total"] += 1
-        self._outbox.append((client, error_delta(rid, message)))
+        self._outbox.put(client, error_delta(rid, message))

@@ -1,75 +1,127 @@
 """Configuration of one worker (front process plus engine process).
 
-``WorkerConfig`` is frozen. Values that start as "auto", ``None`` or 0 are
-resolved by building a new config (``resolve``) in the engine process, where
-the model is loaded; the front never needs torch.
+``WorkerConfig`` is frozen and holds its engine's settings as an
+``EngineConfig`` (``engine``) next to its own. Both are made of
+``engine.config.setting`` fields, and every setting is one flat flag
+(``--page-size`` for ``engine.page_size``): the command line (``worker.cli``)
+and ``WorkerConfig.to_argv`` are generated from the fields (``flags``).
+
+Values that start as "auto" or ``None`` are resolved by building a new config
+(``resolve``) in the engine process, where the model is loaded; the front
+never needs torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import socket
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+import typing
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from protocol.roles import ROLES
+from engine.config import MODEL_GROUP, EngineConfig, setting
+from kvtransfer import TRANSFER_BACKENDS
+from protocol.roles import BOTH, ROLES
 
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
-
-TRANSFER_BACKENDS = ("nixl", "tcp")
-ATTENTION_BACKENDS = ("auto", "flashinfer", "torch_native")
-"""``auto`` plus the names registered in ``engine.attention`` (kept torch-free here)."""
+CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
+REGISTER_KEY_ENV = "DISAGG_REGISTER_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+NETWORK_GROUP = "role and network"
+TRANSFER_GROUP = "KV transfer and timeouts"
+PROGRAM_SETTINGS = ("role", "port")
+"""Settings whose command-line default each server program picks (its first
+role, its port), so ``to_argv`` always writes them."""
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    role: str = "both"
-    """What the worker does, one of ``protocol.roles.ROLES``."""
-    host: str = "127.0.0.1"
-    """Address the HTTP server, the request plane and the KV plane bind to."""
-    port: int = 30000
-    """HTTP port (health, metrics, server info)."""
-    request_port: int = 0
-    """Request-plane (ZMQ ROUTER) port; 0 picks a free one at start."""
-    bootstrap_port: int = 0
-    """KV-plane bootstrap port (prefill/decode roles); 0 picks a free one."""
-    advertise_host: str | None = None
-    """Host put in the advertised URLs/endpoints; None: ``host``, or this
-    machine's address when ``host`` is a wildcard."""
-    model: str | None = None
-    """Checkpoint dir, config.json or preset name; None: the built-in tiny model."""
-    served_model_name: str | None = None
-    """Name reported to clients; None: the checkpoint directory's name."""
-    load_format: str = "auto"
-    device: str = "auto"
-    """Torch device; "auto": cuda when available, else cpu."""
-    dtype: str = "auto"
-    page_size: int = 16
-    num_pages: int | None = None
-    """KV pool pages; None sizes it from ``kv_cache_memory_gb``."""
-    kv_cache_memory_gb: float = 0.25
-    max_num_batched_tokens: int = 2048
-    chunk_size: int | None = None
-    max_running_requests: int = 256
-    context_length: int | None = None
-    enable_prefix_cache: bool = True
-    seed: int = 0
-    attention_backend: str = "auto"
-    cuda_graph_max_bs: int | None = None
-    transfer_backend: str = "tcp"
-    cluster_token: str | None = None
-    """Shared secret of the KV plane (and sent to the gateway on registration)."""
-    transfer_timeout_s: float = 30.0
-    request_timeout_s: float = 600.0
-    """A request still in the engine after this long is failed; 0 disables."""
-    register: str | None = None
-    """Gateway base URL to register with once healthy; None: do not register."""
-    register_key: str | None = None
-    """Bearer key of the gateway's admin API; None: the cluster token."""
-    log_level: str = "info"
+    role: str = setting(
+        BOTH,
+        help="what this worker does (default: %(default)s); see the roles below",
+        group=NETWORK_GROUP,
+        choices=ROLES,
+    )
+    """One of ``protocol.roles.ROLES``; a server program offers only its own roles."""
+    host: str = setting(
+        "127.0.0.1",
+        help="address to bind HTTP, the request plane and the KV plane to "
+        "(default: %(default)s; 0.0.0.0 for all interfaces)",
+        group=NETWORK_GROUP,
+    )
+    advertise_host: str | None = setting(
+        None,
+        help="host name/IP put in the URL and endpoints this worker advertises "
+        "(default: --host, or this machine's address when --host is a wildcard)",
+        group=NETWORK_GROUP,
+    )
+    port: int = setting(30000, help="HTTP port (default: %(default)s)", group=NETWORK_GROUP)
+    request_port: int = setting(
+        0,
+        help="request-plane (ZMQ ROUTER) port; 0 picks a free port at start, shown "
+        "in /server_info as request_endpoint (default: %(default)s)",
+        group=NETWORK_GROUP,
+    )
+    bootstrap_port: int = setting(
+        0,
+        help="KV-plane bootstrap port of the prefill/decode roles; 0 picks a free "
+        "port, shown in /server_info as bootstrap_endpoint (default: %(default)s)",
+        group=NETWORK_GROUP,
+    )
+    register: str | None = setting(
+        None,
+        help="once healthy, register with the gateway at this base URL "
+        "(POST GATEWAY_URL/admin/workers; best effort, retried; default: do not register)",
+        group=NETWORK_GROUP,
+        metavar="GATEWAY_URL",
+    )
+    register_key: str | None = setting(
+        None,
+        help="bearer key for the gateway's admin API when registering: the gateway's "
+        f"--admin-key (default: ${REGISTER_KEY_ENV}, else the cluster token)",
+        group=NETWORK_GROUP,
+        env=REGISTER_KEY_ENV,
+    )
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The engine's settings; each is a flag of its own (see ``flags``)."""
+    served_model_name: str | None = setting(
+        None,
+        help="model name reported to clients (default: the checkpoint directory's name)",
+        group=MODEL_GROUP,
+    )
+    transfer_backend: str = setting(
+        "tcp",
+        help="how KV pages move between prefill and decode workers: nixl "
+        "(NVLink/RDMA) or tcp (default: %(default)s)",
+        group=TRANSFER_GROUP,
+        choices=sorted(TRANSFER_BACKENDS),
+    )
+    cluster_token: str | None = setting(
+        None,
+        help="shared secret of the KV plane, also sent to the gateway on "
+        f"registration (default: ${CLUSTER_TOKEN_ENV}; prefer the variable, "
+        "command lines are visible to other users)",
+        group=TRANSFER_GROUP,
+        env=CLUSTER_TOKEN_ENV,
+    )
+    transfer_timeout_s: float = setting(
+        30.0,
+        help="fail a KV transfer (and its request) that takes longer (default: %(default)s)",
+        group=TRANSFER_GROUP,
+    )
+    request_timeout_s: float = setting(
+        600.0,
+        help="fail a request still in the engine after this many seconds, e.g. one "
+        "whose requester vanished without aborting; 0 disables (default: %(default)s)",
+        group=TRANSFER_GROUP,
+    )
+    log_level: str = setting(
+        "info",
+        help="log level of both processes (default: %(default)s)",
+        choices=LOG_LEVELS,
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -80,7 +132,7 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {value!r}")
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(
-                f"transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
+                f"transfer_backend must be one of {', '.join(sorted(TRANSFER_BACKENDS))}, "
                 f"got {self.transfer_backend!r}"
             )
         if self.log_level.lower() not in LOG_LEVELS:
@@ -89,10 +141,15 @@ class WorkerConfig:
             raise ValueError("transfer_timeout_s must be > 0")
         if self.request_timeout_s < 0:
             raise ValueError("request_timeout_s must be >= 0 (0 disables it)")
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError("kv_cache_memory_gb must be > 0")
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> WorkerConfig:
+        """A config from one keyword per setting, named as on the command line
+        (``page_size=4``, not ``engine=...``): the engine's go to ``engine``."""
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine = {k: v for k, v in settings.items() if k in names}
+        own = {k: v for k, v in settings.items() if k not in names}
+        return cls(**own, engine=EngineConfig(**engine))
 
     # -- derived values --------------------------------------------------------
 
@@ -125,59 +182,138 @@ class WorkerConfig:
         """The served model name."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model is None:
+        model = self.engine.model
+        if model is None:
             from engine.tiny import TINY_MODEL_NAME
 
             return TINY_MODEL_NAME
-        return os.path.basename(os.path.normpath(self.model)) or self.model
+        return os.path.basename(os.path.normpath(model)) or model
 
     @property
     def is_resolved(self) -> bool:
-        return self.model is not None and self.device != "auto"
+        return self.engine.model is not None and self.engine.device != "auto"
 
     # -- resolution ------------------------------------------------------------
 
     def resolve(self) -> WorkerConfig:
         """A new config with the model path and device filled in (builds the tiny
         model on first use and imports torch: call it in the engine process)."""
-        model, name = self.model, self.served_model_name
-        if model is None:
-            from engine.tiny import TINY_MODEL_NAME, ensure_tiny_model
+        name = self.served_model_name
+        if self.engine.model is None:
+            from engine.tiny import TINY_MODEL_NAME
 
-            model, name = str(ensure_tiny_model()), name or TINY_MODEL_NAME
-        device = self.device
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return replace(self, model=model, device=device, served_model_name=name)
+            name = name or TINY_MODEL_NAME
+        engine = self.engine.resolve_model_and_device()
+        return replace(self, engine=engine, served_model_name=name)
 
     def with_request_port(self, port: int) -> WorkerConfig:
         return replace(self, request_port=port)
 
     def engine_config(self) -> EngineConfig:
         """The ``EngineConfig`` of this worker's engine (resolving first if needed)."""
-        from engine.config import EngineConfig
+        return (self if self.is_resolved else self.resolve()).engine
 
-        cfg = self if self.is_resolved else self.resolve()
-        assert cfg.model is not None
-        return EngineConfig(
-            model=cfg.model,
-            load_format=cfg.load_format,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            page_size=cfg.page_size,
-            num_pages=cfg.num_pages,
-            kv_cache_memory_gb=cfg.kv_cache_memory_gb,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            chunk_size=cfg.chunk_size,
-            max_running_requests=cfg.max_running_requests,
-            context_length=cfg.context_length,
-            enable_prefix_cache=cfg.enable_prefix_cache,
-            seed=cfg.seed,
-            attention_backend=cfg.attention_backend,
-            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-        )
+    # -- command line ----------------------------------------------------------
+
+    def to_argv(self) -> list[str]:
+        """The worker command line's arguments for this config (after
+        ``python -m <server>``): the settings that differ from their defaults,
+        plus ``PROGRAM_SETTINGS``. Parsing them gives back an equal config,
+        where the environment variables of ``env`` settings are unset."""
+        argv: list[str] = []
+        for flag in flags():
+            value = flag.value_of(self)
+            if flag.name in PROGRAM_SETTINGS or value != flag.default:
+                argv += flag.argv(value)
+        return argv
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line flag of one setting: a field of ``WorkerConfig`` or of
+    its ``EngineConfig``."""
+
+    field: dataclasses.Field[Any]
+    kind: type
+    """``bool``, ``int``, ``float`` or ``str``: the field's type without None."""
+    optional: bool
+    """None is one of the setting's values."""
+    in_engine: bool
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        f = self.field
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+    def meta(self, key: str) -> Any:
+        """``help``, ``group``, ``choices``, ``metavar`` or ``env`` (see ``setting``)."""
+        return self.field.metadata[key]
+
+    @property
+    def parse(self) -> Any:
+        """The argparse ``type`` of a non-bool flag."""
+        if not self.optional or self.kind is str:
+            return self.kind
+        assert self.kind is int
+        return _optional_int
+
+    def value_of(self, config: WorkerConfig) -> Any:
+        return getattr(config.engine if self.in_engine else config, self.name)
+
+    def argv(self, value: Any) -> list[str]:
+        """The arguments that set this flag to ``value``."""
+        if self.kind is bool:
+            return [self.option if value else "--no-" + self.option[2:]]
+        if value is None:
+            if self.parse is not _optional_int:
+                raise ValueError(f"{self.name}=None has no command-line form")
+            return [self.option, "auto"]
+        text = str(value)
+        # "--x=-y": a value that starts with a dash would read as an option.
+        return [f"{self.option}={text}"] if text.startswith("-") else [self.option, text]
+
+
+@functools.cache
+def flags() -> tuple[Flag, ...]:
+    """Every flag, in the order of the fields (the engine's in place of
+    ``engine``); their names are the argparse destinations."""
+    out: list[Flag] = []
+    for w in dataclasses.fields(WorkerConfig):
+        owner = EngineConfig if w.name == "engine" else WorkerConfig
+        owned = dataclasses.fields(EngineConfig) if owner is EngineConfig else (w,)
+        out += [_flag(owner, f) for f in owned if f.metadata.get("flag", False)]
+    names = [fl.name for fl in out]
+    # Flags are flat: a worker setting and an engine setting may not share a name.
+    assert len(set(names)) == len(names), names
+    return tuple(out)
+
+
+def _flag(owner: type, f: dataclasses.Field[Any]) -> Flag:
+    hint = typing.get_type_hints(owner)[f.name]
+    return Flag(f, *_kind(hint, f.name), in_engine=owner is EngineConfig)
+
+
+def _kind(hint: Any, name: str) -> tuple[type, bool]:
+    """The flag's value type and whether None is a value, from the annotation."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    rest = [a for a in args if a is not type(None)]
+    kind = rest[0] if optional and len(rest) == 1 else hint
+    if kind not in (bool, int, float, str) or (optional and kind not in (int, str)):
+        raise TypeError(f"setting {name!r} has type {hint}, which has no command-line form")
+    return kind, optional
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("auto", "none") else int(text)
 
 
 def _bracket(host: str) -> str:

@@ -167,12 +167,12 @@ class EngineServer:
         self.loop = self.role.make_loop(cfg)
         self.info = {
             "role": cfg.role,
-            "model": cfg.model,
+            "model": cfg.engine.model,
             "served_model_name": cfg.model_name,
             "request_endpoint": self.request_endpoint,
             "bootstrap_endpoint": self.loop.bootstrap_endpoint,
-            "page_size": cfg.page_size,
-            "context_length": cfg.context_length,
+            "page_size": cfg.engine.page_size,
+            "context_length": cfg.engine.context_length,
             "transfer_backend": cfg.transfer_backend,
             **self.loop.info(),
         }

@@ -73,7 +73,10 @@ class WorkerLoop(ABC):
 
     def info(self) -> dict[str, Any]:
         """Static facts for /server_info (model, page size, context length...)."""
-        facts: dict[str, Any] = {"model": self.config.model, "page_size": self.config.page_size}
+        facts: dict[str, Any] = {
+            "model": self.config.engine.model,
+            "page_size": self.config.engine.page_size,
+        }
         engine = getattr(self, "engine", None)
         if isinstance(engine, Engine):
             facts["context_length"] = engine.context_length
@@ -115,3 +118,35 @@ def step_delta(r: StepOutput) -> TokenDelta:
 
 def error_delta(rid: str, message: str) -> TokenDelta:
     return TokenDelta(rid, [], [], "error", 0, message)
+
+
+def abort_delta(rid: str, num_cached_tokens: int = 0) -> TokenDelta:
+    return TokenDelta(rid, [], [], "abort", num_cached_tokens)
+
+
+class Outbox:
+    """Deltas the next ``step`` returns, each addressed to its requester.
+
+    ``submit`` and ``abort`` run between steps and cannot answer directly, so
+    their deltas wait here; a loop's ``has_work`` stays True while it is not
+    empty, or they would never leave."""
+
+    def __init__(self) -> None:
+        self._deltas: list[tuple[bytes, TokenDelta]] = []
+
+    def put(self, client: bytes, delta: TokenDelta) -> None:
+        self._deltas.append((client, delta))
+
+    def take(self) -> list[tuple[bytes, TokenDelta]]:
+        """Everything queued so far, oldest first; the outbox is left empty."""
+        out, self._deltas = self._deltas, []
+        return out
+
+    def clear(self) -> None:
+        self._deltas.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._deltas)
+
+    def __len__(self) -> int:
+        return len(self._deltas)

@@ -1,22 +1,32 @@
-"""Attention backends, picked by name."""
+"""Attention backends, picked by name.
+
+Names map to import strings, resolved only by ``get_attention_backend``: the
+names (the worker's ``--attention-backend`` choices, with "auto") can be listed
+without importing torch or a backend's optional kernels.
+"""
 
 from __future__ import annotations
 
-from engine.attention.base import AttentionBackend
-from engine.attention.flashinfer import FlashInferAttention
-from engine.attention.torch_native import TorchNativeAttention
+import importlib
+from typing import TYPE_CHECKING
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
-    "torch_native": TorchNativeAttention,
-    "flashinfer": FlashInferAttention,
+if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend
+
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch_native": "engine.attention.torch_native:TorchNativeAttention",
+    "flashinfer": "engine.attention.flashinfer:FlashInferAttention",
 }
-"""Name -> backend; also the CLI's choices (plus "auto")."""
+"""Name -> "module:Class" of the backend."""
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered as ``name`` (imports its module)."""
     try:
-        return ATTENTION_BACKENDS[name]
+        target = ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}"
         ) from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)

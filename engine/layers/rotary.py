@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.config import RopeScaling
+from engine.model_config import RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

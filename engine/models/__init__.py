@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM

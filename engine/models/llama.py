@@ -10,11 +10,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.attention.base import AttentionBackend
-from engine.config import ModelConfig
 from engine.layers.activation import silu_and_mul
 from engine.layers.linear import MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.model_config import ModelConfig
 from engine.weights import WeightLoadError, load_named_weights
 
 

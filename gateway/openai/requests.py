@@ -1,11 +1,13 @@
-"""OpenAI API request and response bodies (the subset this gateway serves)."""
+"""OpenAI API request bodies (the subset this gateway serves)."""
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+"""A completions prompt: text, texts, token ids, or lists of token ids."""
 
 
 class _Request(BaseModel):
@@ -51,37 +53,10 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool = False
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "disagg-serve"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+GenerationRequest = ChatCompletionRequest | CompletionRequest
+"""A request that generates text, on either endpoint."""

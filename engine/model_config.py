@@ -1,0 +1,180 @@
+"""Model configuration, read from a HF ``config.json`` (or a named preset for
+dummy weights), and the torch dtypes a config may name."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.presets import PRESETS
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config cannot be served."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    dtype: torch.dtype = torch.float32
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], dtype: torch.dtype | None = None) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+            inter = int(cfg["intermediate_size"])
+        except KeyError as e:
+            raise ModelConfigError(f"config.json lacks required key {e.args[0]!r}") from None
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
+        # transformers >= 5 nests rope settings under rope_parameters.
+        rope = dict(cfg.get("rope_scaling") or {})
+        rope.update(cfg.get("rope_parameters") or {})
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type not in ("default", None):
+            raise ModelConfigError(
+                f"unsupported rope type {rope_type!r}; supported: default, llama3"
+            )
+        if dtype is None:
+            name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+            dtype = DTYPES.get(str(name), torch.float32)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=dtype,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def load(cls, model: str | os.PathLike | None, dtype: torch.dtype | None = None) -> ModelConfig:
+        """From a checkpoint dir (its config.json), a config.json path, or a preset name."""
+        if model is None:
+            # EngineConfig.model is None until resolve_model_and_device() picks the tiny model.
+            raise ModelConfigError("no model given: resolve the engine config's model first")
+        if isinstance(model, str) and model in PRESETS:
+            return cls.from_dict(PRESETS[model], dtype)
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(
+                f"no config.json at {path} (and {str(model)!r} is not a preset: "
+                f"{', '.join(sorted(PRESETS))})"
+            )
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
+        # Generation config may carry the chat model's extra stop ids.
+        gen = path.parent / "generation_config.json"
+        if gen.is_file():
+            try:
+                g = json.loads(gen.read_text())
+                if g.get("eos_token_id") is not None:
+                    cfg = {**cfg, "eos_token_id": g["eos_token_id"]}
+            except json.JSONDecodeError:
+                pass
+        return cls.from_dict(cfg, dtype)
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)} or auto")
+    return DTYPES[name]

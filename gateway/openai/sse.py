@@ -1,0 +1,157 @@
+"""Streamed responses: a request's choices as server-sent events, in the shape
+of their endpoint, ending in ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from gateway.metrics import GatewayMetrics, RequestTiming
+from gateway.openai.choices import ChoiceEvent, join_events, merge_choices, until
+from gateway.openai.errors import APIError, request_timeout
+from gateway.openai.responses import ResponseContext, now, usage
+
+DONE = "data: [DONE]\n\n"
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator.
+
+    Invariant: when a client disconnects mid-stream, its requests are aborted
+    on the workers at once. Starlette cancels the sending task on disconnect
+    but leaves the body iterator as it is: when the cancellation lands in
+    ``send`` (common behind an http middleware, which hands chunks over a
+    memory stream) the generator stays suspended at a ``yield`` until garbage
+    collection, while its requests run on to their end on the workers.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def error_event(error: APIError) -> str:
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
+@dataclass
+class _ChoiceProgress:
+    tokens: int = 0
+    cached: int = 0
+    text_offset: int = 0
+    """Where the choice's next token starts in its text (echo included)."""
+    held: list[ChoiceEvent] = field(default_factory=list)
+    """Events whose text is still held back (see ``StreamWriter.event``)."""
+    prompt_sent: bool = False
+
+
+class StreamWriter:
+    """The chunks of one streamed response; with ``include_usage`` every chunk
+    carries a ``usage`` (null but in the last one)."""
+
+    def __init__(self, ctx: ResponseContext, include_usage: bool) -> None:
+        self.ctx = ctx
+        self.include_usage = include_usage
+        self.created = now()
+        self.choices = [_ChoiceProgress() for _ in ctx.choice_prompts]
+
+    def chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, **extra: Any
+    ) -> str:
+        body: dict[str, Any] = {
+            "id": self.ctx.rid,
+            "object": self.ctx.shape.chunk_object,
+            "created": self.created,
+            "model": self.ctx.model,
+            "choices": choices,
+            **extra,
+        }
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def opening(self) -> Iterator[str]:
+        """The chunks before any token (the assistant role, the echoed prompt)."""
+        for i, ids in enumerate(self.ctx.choice_prompts):
+            text = self.ctx.shape.prompt_text(ids)
+            self.choices[i].text_offset = len(text)
+            choice = self.ctx.shape.opening_choice(i, text)
+            if choice is not None:
+                yield self.chunk([choice])
+
+    def event(self, i: int, ev: ChoiceEvent) -> str | None:
+        """The chunk of choice ``i``'s event ``ev`` (None: held back)."""
+        ctx, progress = self.ctx, self.choices[i]
+        progress.tokens += len(ev.token_ids)
+        if ctx.reports_cache(i):
+            progress.cached = max(progress.cached, ev.cached_tokens)
+        # Invariant: a choice's streamed token_ids (and logprobs) add up to all
+        # of its tokens. A token whose text is still held back (half a UTF-8
+        # character, a possible stop-string prefix) sends no chunk of its own,
+        # so its ids and logprobs ride on the choice's next chunk instead of
+        # being lost.
+        if not ev.text and ev.finish_reason is None:
+            progress.held.append(ev)
+            return None
+        events, progress.held = [*progress.held, ev], []
+        ids, lps, tops = join_events(events)
+        logprobs = ctx.shape.logprobs(ids, lps, tops, progress.text_offset)
+        progress.text_offset = ctx.shape.offset_after(progress.text_offset, logprobs)
+        choice = ctx.shape.chunk_choice(i, ev.text, logprobs, ev.finish_reason)
+        extra = {}
+        if ctx.return_token_ids:
+            choice["token_ids"] = ids
+            if not progress.prompt_sent:
+                extra = {"prompt_token_ids": ctx.choice_prompts[i]}
+                progress.prompt_sent = True
+        return self.chunk([choice], **extra)
+
+    def usage_chunk(self) -> str:
+        counts = [p.tokens for p in self.choices]
+        cached = [p.cached for p in self.choices]
+        return self.chunk([], usage=usage(self.ctx.prompts, counts, cached))
+
+
+async def sse_stream(
+    ctx: ResponseContext,
+    gens: list[AsyncIterator[ChoiceEvent]],
+    *,
+    include_usage: bool,
+    metrics: GatewayMetrics,
+    timeout_s: float,
+    started: float,
+) -> AsyncIterator[str]:
+    """The response's events: its chunks, then an error event if it failed
+    (the OpenAI error body), then ``[DONE]``."""
+    writer = StreamWriter(ctx, include_usage)
+    timing = RequestTiming(metrics, len(gens), started)
+    for chunk in writer.opening():
+        yield chunk
+    try:
+        # aclosing: leaving this generator (the client went away) must close the
+        # merge at once, which cancels the choices and aborts their requests.
+        async with contextlib.aclosing(merge_choices(gens)) as merged:
+            async for i, ev in until(merged, started + timeout_s):
+                timing.observe(i, len(ev.token_ids))
+                chunk = writer.event(i, ev)
+                if chunk is not None:
+                    yield chunk
+    except (TimeoutError, APIError) as e:
+        error = e if isinstance(e, APIError) else request_timeout(timeout_s)
+        metrics.failures.inc(error.code or str(error.status))
+        yield error_event(error)
+    else:
+        metrics.e2e.observe(time.monotonic() - started)
+        if include_usage:
+            yield writer.usage_chunk()
+    yield DONE

@@ -1,0 +1,130 @@
+"""Periodic health checks of every registered worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from gateway.routing.config import RouterConfig
+from gateway.routing.probe import WorkerProbe, WorkerUnreachable
+from gateway.routing.router import Router
+from gateway.routing.workers import WorkerInfo
+
+log = logging.getLogger("gateway.router")
+
+
+class HealthChecker:
+    """Polls every worker's /health and /server_info every
+    ``config.health_interval_s``: ``config.unhealthy_after`` failed checks in a
+    row mark a worker unhealthy, one passing check re-admits it, and each
+    passing check refreshes endpoints and stats.
+
+    Use ``await start()`` / ``await stop()`` or ``async with``. ``probe`` is
+    where the HTTP calls go; without one it makes its own, over ``client`` (or
+    ``transport``, for tests) when given. ``stop`` closes only a client the
+    probe created itself.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        config: RouterConfig | None = None,
+        *,
+        probe: WorkerProbe | None = None,
+        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.router = router
+        self.config = config or router.config
+        self.probe = probe or WorkerProbe(
+            self.config.health_timeout_s, client=client, transport=transport
+        )
+        self._task: asyncio.Task[None] | None = None
+        self.after_round: list[Callable[[], Awaitable[None]]] = []
+        """Called after every round of checks (e.g. to close clients of workers
+        that left)."""
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def check_worker(self, worker: WorkerInfo) -> bool:
+        """One check of one worker; updates its health. True if it passed."""
+        try:
+            await self.probe.health(worker.url)
+            info = await self.probe.server_info(worker.url)
+            if info.get("role") != worker.role:
+                raise WorkerUnreachable(
+                    f"now reports role {info.get('role')!r}, registered as {worker.role!r}"
+                )
+        except (httpx.HTTPError, WorkerUnreachable) as e:
+            self._failed(worker, f"{type(e).__name__}: {e}")
+            return False
+        restarted = worker.info.get("started_at") not in (None, info.get("started_at"))
+        worker.update_from_server_info(info)
+        if restarted:
+            self.router.forget_cache(worker.url)
+        worker.consecutive_failures = 0
+        if not worker.healthy:
+            log.info("worker %s is healthy again", worker.url)
+        worker.healthy = True
+        return True
+
+    def _failed(self, worker: WorkerInfo, error: str) -> None:
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        if worker.healthy and worker.consecutive_failures >= self.config.unhealthy_after:
+            worker.healthy = False
+            log.warning(
+                "worker %s marked unhealthy after %d failed checks: %s",
+                worker.url,
+                worker.consecutive_failures,
+                error,
+            )
+
+    async def check_all(self) -> None:
+        """Check every registered worker once, concurrently."""
+        workers = self.router.workers()
+        if workers:
+            await asyncio.gather(*(self.check_worker(w) for w in workers))
+
+    async def _run(self) -> None:
+        interval = self.config.health_interval_s
+        next_at = asyncio.get_running_loop().time()
+        while True:
+            try:
+                await self.check_all()
+                for hook in self.after_round:
+                    await hook()
+            except Exception:  # never let one bad round end the loop
+                log.exception("health check round failed")
+            next_at += interval
+            now = asyncio.get_running_loop().time()
+            if next_at < now:  # a slow round: skip missed slots, no burst
+                next_at = now
+            await asyncio.sleep(next_at - now)
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self.probe.http()
+        self._task = asyncio.create_task(self._run(), name="gateway-health-checker")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.probe.close()
+
+    async def __aenter__(self) -> HealthChecker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
