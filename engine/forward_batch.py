@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.host_copy import to_device
+
 
 class ForwardBatch(NamedTuple):
     input_ids: torch.Tensor
@@ -72,16 +74,16 @@ def build_forward_batch(
         extend_lens.append(n)
         tables.append(spec.page_table[: -(-end // page_size)])
 
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
+    fields = [ids, positions, write_pages, write_slots, logits_indices]
+    flat = to_device(torch.tensor([v for f in fields for v in f], dtype=torch.int64), device)
+    ids_t, pos_t, pages_t, slots_t, logits_t = flat.split([len(f) for f in fields])
     return ForwardBatch(
-        input_ids=t(ids),
-        positions=t(positions),
+        input_ids=ids_t,
+        positions=pos_t,
         seq_lens=seq_lens,
         extend_lens=extend_lens,
         page_tables=tables,
-        write_pages=t(write_pages),
-        write_slots=t(write_slots),
-        logits_indices=t(logits_indices),
+        write_pages=pages_t,
+        write_slots=slots_t,
+        logits_indices=logits_t,
     )

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool, KVPoolConfig
+from engine.layers.kernels import layer_kernels
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.sampling import SamplingBatch, sample
@@ -53,8 +54,13 @@ class ModelRunner:
             # Kernels without an explicit device (graph capture, library
             # workspaces) go to the current device: make it this one.
             torch.cuda.set_device(self.device)
+        # FlashInfer's fused layer kernels come with its attention; the torch
+        # attention backend is the reference, so it gets the reference kernels.
+        kernels = layer_kernels(
+            "flashinfer" if config.attention_backend == "flashinfer" else "torch"
+        )
         with _default_dtype(model_config.dtype), torch.device(self.device):
-            self.model = build_model(model_config)
+            self.model = build_model(model_config, kernels)
         self.model.eval().requires_grad_(False)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)

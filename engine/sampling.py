@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.host_copy import to_device
 from protocol.sampling import SamplingParams
 
 __all__ = ["SEED_LIMIT", "SampleOutput", "SamplingBatch", "fold_seed", "sample"]
@@ -193,13 +194,19 @@ class SamplingBatch(NamedTuple):
         step_list = [int(s) for s in steps]
         if any(s < 0 for s in step_list):
             raise ValueError("steps must be >= 0")
+        # Two copies (float and int rows), queued from pinned memory.
+        floats = to_device(torch.tensor([temperature, top_p, min_p], dtype=torch.float32), device)
+        ints = to_device(
+            torch.tensor([top_k, [fold_seed(s) for s in seeds], step_list], dtype=torch.int64),
+            device,
+        )
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            seed=torch.tensor([fold_seed(s) for s in seeds], dtype=torch.int64, device=device),
-            step=torch.tensor(step_list, dtype=torch.int64, device=device),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            seed=ints[1],
+            step=ints[2],
             all_greedy=all_greedy,
             needs_top_k=needs_top_k,
             needs_top_p=needs_top_p,

@@ -85,14 +85,15 @@ KERNEL_MODEL = {
 """Small, but in a head size the FlashInfer kernels are built for (bf16, 128)."""
 
 
-def _kernel_runner(backend: str, graph_bs: int | None = None) -> ModelRunner:
+def _kernel_runner(backend: str, graph_bs: int | None = None, num_pages: int = 128) -> ModelRunner:
     mc = ModelConfig.from_dict(KERNEL_MODEL, dtype=torch.bfloat16)
     cfg = EngineConfig(
         model="kernel-test",
         load_format="dummy",
         device="cuda:0",
         page_size=16,
-        num_pages=128,
+        num_pages=num_pages,
+        max_running_requests=256,
         attention_backend=backend,
         cuda_graph_max_bs=graph_bs,
     ).resolve(mc)
@@ -158,6 +159,32 @@ def test_flashinfer_matches_torch_native() -> None:
             assert agree > 0.9, f"{what}: argmax agrees on {agree:.0%}"
         # The graph replays the eager kernels: same numbers up to the work split.
         assert (outs[2] - outs[0]).abs().max().item() < 0.01 * scale, f"step {i}: graph vs eager"
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 64, 256])
+def test_cuda_graph_decode_equals_eager(batch_size: int) -> None:
+    """A decode step replayed from a CUDA graph (padded to a captured size) gives
+    the eager forward's tokens, with the fused layer kernels inside the graph."""
+    runner = _kernel_runner("flashinfer", graph_bs=256, num_pages=1200)
+    assert runner.graphs is not None and 256 in runner.graphs.sizes
+    runner.pool.kv.normal_()
+    ps, gen = 16, torch.Generator().manual_seed(batch_size)
+    specs = []
+    for i in range(batch_size):
+        ctx = 8 + (37 * i) % 60
+        pages = runner.pool.allocator.alloc(-(-(ctx + 1) // ps))
+        assert pages is not None
+        specs.append(ExtendSpec([int(torch.randint(3, 1000, (1,), generator=gen))], ctx, pages))
+    batch = build_forward_batch(specs, ps, "cuda:0")
+    assert runner.graphs.can_run(batch)
+    with torch.inference_mode():
+        graph_logits = runner.forward_logits(batch).clone()
+        runner.attn.begin_forward(batch)
+        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
+        eager_logits = runner.model.compute_logits(hidden[batch.logits_indices])
+    scale = eager_logits.abs().max().item()
+    assert (graph_logits - eager_logits).abs().max().item() < 0.01 * scale
+    assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
 
 
 def test_overlap_with_cuda_graphs_matches_sync(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ strides, so no copy of the cache is made. K and V views share their strides.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,6 +41,18 @@ def flashinfer_usable(device: str, dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
+class _AppendIndex(NamedTuple):
+    """Where a forward's new K/V rows go, as FlashInfer's page-append kernel reads
+    it (int32, on the device): each new token's request and position, and the
+    page table the attention plan was made from."""
+
+    batch_indices: torch.Tensor
+    positions: torch.Tensor
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
 class _PlanSlot:
     """Wrappers that own one set of plan buffers (the page table and the
     kernels' work split, read by the kernels as they run), and the event that
@@ -50,28 +62,38 @@ class _PlanSlot:
         self.fi, self.workspace = fi, workspace
         self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self.graph_decode: dict[int, Any] = {}
-        """Batch size -> decode wrapper with fixed buffers (CUDA-graph replay)."""
+        self.graph_decode: dict[int, tuple[Any, _AppendIndex]] = {}
+        """Batch size -> decode wrapper with fixed buffers (CUDA-graph replay) and
+        the append index over the same buffers."""
         self.consumed: torch.cuda.Event | None = None
 
-    def graph_wrapper(self, batch_size: int, max_pages: int) -> Any:
-        wrapper = self.graph_decode.get(batch_size)
-        if wrapper is None:
+    def graph_wrapper(self, batch_size: int, max_pages: int) -> tuple[Any, _AppendIndex]:
+        entry = self.graph_decode.get(batch_size)
+        if entry is None:
             device = self.workspace.device
+
+            def buf(n: int) -> torch.Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=device)
+
+            # plan() fills the page-table buffers; the graph's append kernels
+            # read the same ones, and positions copied in before each replay.
+            index = _AppendIndex(
+                batch_indices=torch.arange(batch_size, dtype=torch.int32, device=device),
+                positions=buf(batch_size),
+                indptr=buf(batch_size + 1),
+                indices=buf(max_pages),
+                last_page_len=buf(batch_size),
+            )
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                paged_kv_indptr_buffer=torch.zeros(
-                    batch_size + 1, dtype=torch.int32, device=device
-                ),
-                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
-                paged_kv_last_page_len_buffer=torch.zeros(
-                    batch_size, dtype=torch.int32, device=device
-                ),
+                paged_kv_indptr_buffer=index.indptr,
+                paged_kv_indices_buffer=index.indices,
+                paged_kv_last_page_len_buffer=index.last_page_len,
             )
-            self.graph_decode[batch_size] = wrapper
-        return wrapper
+            entry = self.graph_decode[batch_size] = (wrapper, index)
+        return entry
 
     def wait_reusable(self) -> None:
         if self.consumed is not None:
@@ -90,6 +112,7 @@ class FlashInferAttention(AttentionBackend):
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
         try:
             import flashinfer
+            import flashinfer.page
         except ImportError as e:
             raise RuntimeError(
                 "attention_backend 'flashinfer' needs the flashinfer-python package "
@@ -106,18 +129,16 @@ class FlashInferAttention(AttentionBackend):
             WORKSPACE_BYTES, dtype=torch.uint8, device=pool.kv.device
         ).zero_()
         self._slots = [_PlanSlot(flashinfer, self._workspace) for _ in range(NUM_PLAN_SLOTS)]
+        self._append_kv = flashinfer.page.append_paged_kv_cache
+        self._append: _AppendIndex | None = None
         self._next_slot = 0
         self._current: _PlanSlot | None = None
         self._wrapper: Any = None
-        self._batch: ForwardBatch | None = None
 
     # -- planning
 
-    def _plan_args(self, batch: ForwardBatch) -> tuple[list[Any], dict[str, Any]]:
-        """What both wrappers' plan() take after the query layout: the page
-        table, the shapes and the dtypes. The page table goes in as host
-        tensors (plan() schedules on the host and queues their copies), the
-        page indices already on the device."""
+    def _page_table(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
+        """(indptr, indices, last page lengths) of the batch's page tables."""
         ps = self.pool.page_size
         indptr, indices, last_len = [0], [], []
         for seq_len, table in zip(batch.seq_lens, batch.page_tables):
@@ -125,14 +146,23 @@ class FlashInferAttention(AttentionBackend):
             indices.extend(table[:n])
             indptr.append(indptr[-1] + n)
             last_len.append(seq_len - (n - 1) * ps)
+        return indptr, indices, last_len
+
+    def _plan_args(
+        self, indptr: list[int], indices: torch.Tensor, last_len: list[int]
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """What both wrappers' plan() take after the query layout: the page
+        table, the shapes and the dtypes. The page table goes in as host
+        tensors (plan() schedules on the host and queues their copies), the
+        page indices already on the device."""
         args = [
             _host(indptr),
-            _host(indices).to(self.pool.kv.device, non_blocking=True),
+            indices,
             _host(last_len),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            ps,
+            self.pool.page_size,
         ]
         dtype = self.pool.kv.dtype
         return args, {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": self.scale}
@@ -149,7 +179,18 @@ class FlashInferAttention(AttentionBackend):
 
     def begin_forward(self, batch: ForwardBatch) -> None:
         slot = self._take_slot()
-        args, kwargs = self._plan_args(batch)
+        indptr, indices, last_len = self._page_table(batch)
+        token_requests = [i for i, n in enumerate(batch.extend_lens) for _ in range(n)]
+        # One host-to-device copy for everything the append kernel indexes by.
+        dev = _to_device([indices, indptr, last_len, token_requests], self.pool.kv.device)
+        self._append = _AppendIndex(
+            batch_indices=dev[3],
+            positions=batch.positions.to(torch.int32),
+            indptr=dev[1],
+            indices=dev[0],
+            last_page_len=dev[2],
+        )
+        args, kwargs = self._plan_args(indptr, dev[0], last_len)
         if batch.is_decode:
             slot.decode.plan(*args, **kwargs)
             self._wrapper = slot.decode
@@ -159,7 +200,6 @@ class FlashInferAttention(AttentionBackend):
                 qo_indptr.append(qo_indptr[-1] + n)
             slot.prefill.plan(_host(qo_indptr), *args, causal=True, **kwargs)
             self._wrapper = slot.prefill
-        self._batch = batch
 
     # -- CUDA graphs (decode only)
 
@@ -169,11 +209,14 @@ class FlashInferAttention(AttentionBackend):
         after this call replays with whatever the latest plan of the same
         (slot, size) put there."""
         s = self._take_slot(slot)
-        wrapper = s.graph_wrapper(batch.num_requests, max_pages)
-        args, kwargs = self._plan_args(batch)
+        wrapper, index = s.graph_wrapper(batch.num_requests, max_pages)
+        indptr, indices, last_len = self._page_table(batch)
+        device_indices = _to_device([indices], self.pool.kv.device)[0]
+        args, kwargs = self._plan_args(indptr, device_indices, last_len)
         wrapper.plan(*args, **kwargs)
+        index.positions.copy_(batch.positions)
+        self._append = index
         self._wrapper = wrapper
-        self._batch = batch
 
     def next_slot(self) -> int:
         """The slot the next forward plans into (graphs are captured per slot)."""
@@ -185,11 +228,21 @@ class FlashInferAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     ) -> torch.Tensor:
-        batch = self._batch
-        assert batch is not None, "begin_forward must come first"
-        self.pool.write(layer, batch.write_pages, batch.write_slots, k, v)
+        ix = self._append
+        assert ix is not None, "begin_forward must come first"
         cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
+        self._append_kv(
+            k, v, ix.batch_indices, ix.positions, cache, ix.indices, ix.indptr, ix.last_page_len
+        )
         return self._wrapper.run(q.contiguous(), cache)
+
+
+def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """int32 device tensors of ``lists``, moved in one copy from pinned memory (so
+    the host never waits for the stream)."""
+    sizes = [len(x) for x in lists]
+    flat = _host([v for x in lists for v in x]).to(device, non_blocking=True)
+    return list(flat.split(sizes))
 
 
 def _host(x: list[int]) -> torch.Tensor:

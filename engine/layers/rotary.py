@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from engine.layers.kernels import LayerKernels, RotaryInput
 from engine.model_config import RopeScaling
 
 
@@ -29,23 +30,31 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) ->
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        max_positions: int,
+        kernels: LayerKernels,
+    ) -> None:
         super().__init__()
         self.register_buffer(
             "inv_freq", inv_frequencies(head_dim, theta, scaling), persistent=False
         )
+        self.kernels = kernels
+        self.max_positions = max_positions
+        self._table: torch.Tensor | None = None
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, head_dim]`` cos and sin for each position; computed once per forward."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def table(self) -> torch.Tensor:
+        """float32 ``[max_positions, head_dim]``: cos of every position in the first
+        half, sin in the second. Built on first use, on the model's device."""
+        if self._table is None:
+            pos = torch.arange(self.max_positions, device=self.inv_freq.device).float()
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            self._table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+        return self._table
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` is ``[n, heads, head_dim]``; cos/sin ``[n, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryInput:
+        """What every layer's rotation of one forward shares, computed once."""
+        return self.kernels.rotary_input(positions, self, dtype)

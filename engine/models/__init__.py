@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.layers.kernels import LayerKernels
 from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
@@ -17,11 +18,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
 
 
-def build_model(cfg: ModelConfig) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, kernels: LayerKernels) -> LlamaForCausalLM:
     try:
         cls = MODEL_REGISTRY[cfg.architecture]
     except KeyError:
         raise ModelConfigError(
             f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
         ) from None
-    return cls(cfg)
+    return cls(cfg, kernels)
