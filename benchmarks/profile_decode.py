@@ -137,6 +137,45 @@ def time_steps(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]
     }
 
 
+SAMPLING_CASES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=0.8),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.9),
+    "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    "flat_top_p": SamplingParams(temperature=3.0, top_p=0.95),
+}
+"""Sampling parameter sets timed on their own (every row of the batch alike)."""
+
+
+def time_sampling(runner: ModelRunner, batch_size: int, reps: int = 20) -> dict[str, float]:
+    """GPU ms of ``sample`` on logits shaped like the model's, per parameter set."""
+    vocab = runner.model_config.vocab_size
+    dev = runner.device
+    gen = torch.Generator(device=dev).manual_seed(batch_size)
+    # Peaked like a language model's: a few large logits over a long tail.
+    logits = torch.randn(batch_size, vocab, device=dev, generator=gen) * 3.0
+    out: dict[str, float] = {}
+    for name, p in SAMPLING_CASES.items():
+        times = []
+        for step in range(reps + 3):
+            sampling = SamplingBatch.build(
+                [p] * batch_size, list(range(batch_size)), [step] * batch_size, vocab, dev
+            )
+            torch.cuda.synchronize(dev)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # Keep the device busy while the host queues the sampling kernels, so
+            # the events time the device's work, not the host's launches.
+            torch.cuda._sleep(5_000_000)
+            e0.record()
+            sample(logits, sampling)
+            e1.record()
+            torch.cuda.synchronize(dev)
+            if step >= 3:
+                times.append(e0.elapsed_time(e1))
+        out[name] = statistics.median(times)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -220,10 +259,12 @@ def main(argv: list[str] | None = None) -> None:
         row = {"batch_size": b, "context_len": args.context_len}
         row.update(profile_eager(runner, specs))
         row.update(time_steps(runner, specs, args.steps))
+        row["sampling_ms_by_params"] = time_sampling(runner, b)
         row["graph"] = runner.graphs is not None and runner.graphs.can_run(
             build_forward_batch(specs, runner.pool.page_size, runner.device)
         )
         rows.append(row)
+        print(f"batch {b}: sampling ms by params {row['sampling_ms_by_params']}")
         for t in tables:
             runner.pool.allocator.free(t)
     print(

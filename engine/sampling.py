@@ -15,7 +15,9 @@ probability equal to its renormalised filtered probability.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import importlib.util
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -23,7 +25,7 @@ import torch
 from engine.host_copy import to_device
 from protocol.sampling import SamplingParams
 
-__all__ = ["SEED_LIMIT", "SampleOutput", "SamplingBatch", "fold_seed", "sample"]
+__all__ = ["SEED_LIMIT", "SampleOutput", "SamplingBatch", "fold_seed", "sample", "sample_torch"]
 
 SEED_LIMIT = 2**31
 """Seeds stored in a :class:`SamplingBatch` lie in ``[0, SEED_LIMIT)``."""
@@ -147,6 +149,12 @@ class SamplingBatch(NamedTuple):
     needs_top_k: bool
     needs_top_p: bool
     needs_min_p: bool
+    max_top_k: int = 0
+    """Largest top-k of the sampled rows that have one (0: none); known on the
+    host, so the CUDA sampler sizes its candidates without a sync."""
+    needs_nucleus_search: bool = False
+    """Some sampled row has a top-p but no top-k (its nucleus is not bounded by
+    a top-k's candidates)."""
 
     @classmethod
     def build(
@@ -179,6 +187,8 @@ class SamplingBatch(NamedTuple):
         min_p: list[float] = []
         needs_top_k = needs_top_p = needs_min_p = False
         all_greedy = True
+        max_top_k = 0
+        needs_nucleus_search = False
         for p in params:
             greedy = p.greedy
             k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
@@ -188,8 +198,11 @@ class SamplingBatch(NamedTuple):
             min_p.append(float(p.min_p))
             if not greedy:
                 all_greedy = False
-                needs_top_k |= k < vocab_size
+                if k < vocab_size:
+                    needs_top_k = True
+                    max_top_k = max(max_top_k, k)
                 needs_top_p |= p.top_p < 1.0
+                needs_nucleus_search |= p.top_p < 1.0 and k >= vocab_size
                 needs_min_p |= p.min_p > 0.0
         step_list = [int(s) for s in steps]
         if any(s < 0 for s in step_list):
@@ -211,6 +224,8 @@ class SamplingBatch(NamedTuple):
             needs_top_k=needs_top_k,
             needs_top_p=needs_top_p,
             needs_min_p=needs_min_p,
+            max_top_k=max_top_k,
+            needs_nucleus_search=needs_nucleus_search,
         )
 
 
@@ -276,6 +291,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     rows, vocab_size = logits.shape
     if batch.temperature.shape[0] != rows:
         raise ValueError(f"batch has {batch.temperature.shape[0]} rows, logits have {rows}")
+    if logits.is_cuda and _cuda_sampler() is not None:
+        return _cuda_sampler()(logits, batch)
+    return sample_torch(logits, batch)
+
+
+@functools.cache
+def _cuda_sampler() -> Callable[[torch.Tensor, SamplingBatch], SampleOutput] | None:
+    """The Triton sampler (same draws, no vocabulary sort) where Triton imports."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from engine.sampling_triton import sample_cuda
+
+    return sample_cuda
+
+
+def sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    """``sample`` in plain tensor ops (any device; the reference)."""
+    rows, vocab_size = logits.shape
     device = logits.device
     x = logits.to(torch.float32)
 

@@ -85,8 +85,13 @@ KERNEL_MODEL = {
 """Small, but in a head size the FlashInfer kernels are built for (bf16, 128)."""
 
 
-def _kernel_runner(backend: str, graph_bs: int | None = None, num_pages: int = 128) -> ModelRunner:
-    mc = ModelConfig.from_dict(KERNEL_MODEL, dtype=torch.bfloat16)
+def _kernel_runner(
+    backend: str, graph_bs: int | None = None, num_pages: int = 128, kv_heads: int = 2
+) -> ModelRunner:
+    """``kv_heads`` 2: two query heads per KV head (CUDA-core decode); 1: four
+    (tensor-core decode)."""
+    model = {**KERNEL_MODEL, "num_key_value_heads": kv_heads}
+    mc = ModelConfig.from_dict(model, dtype=torch.bfloat16)
     cfg = EngineConfig(
         model="kernel-test",
         load_format="dummy",
@@ -101,7 +106,8 @@ def _kernel_runner(backend: str, graph_bs: int | None = None, num_pages: int = 1
     return ModelRunner(cfg, mc)
 
 
-def test_flashinfer_matches_torch_native() -> None:
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
     """Same weights, same batches (prefill of several prompts, decode, a chunk
     after a cached prefix, a mixed batch) through both backends."""
     assert (
@@ -111,10 +117,11 @@ def test_flashinfer_matches_torch_native() -> None:
         == "flashinfer"
     ), "auto should pick flashinfer here"
     runners = [
-        _kernel_runner("torch_native"),
-        _kernel_runner("flashinfer", graph_bs=0),  # eager
-        _kernel_runner("flashinfer", graph_bs=2),  # decode of 4 rows: too big, eager
-        _kernel_runner("flashinfer", graph_bs=8),  # decode of 4 rows: graph of 4
+        _kernel_runner("torch_native", kv_heads=kv_heads),
+        _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads),  # eager
+        # Decode of 4 rows: too big for graphs up to 2 (eager), a graph of 4 below.
+        _kernel_runner("flashinfer", graph_bs=2, kv_heads=kv_heads),
+        _kernel_runner("flashinfer", graph_bs=8, kv_heads=kv_heads),
     ]
     assert runners[0].graphs is None and runners[1].graphs is None
     assert runners[3].graphs is not None and runners[3].graphs.sizes == [1, 2, 4, 8]
@@ -161,11 +168,12 @@ def test_flashinfer_matches_torch_native() -> None:
         assert (outs[2] - outs[0]).abs().max().item() < 0.01 * scale, f"step {i}: graph vs eager"
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
 @pytest.mark.parametrize("batch_size", [1, 3, 64, 256])
-def test_cuda_graph_decode_equals_eager(batch_size: int) -> None:
+def test_cuda_graph_decode_equals_eager(batch_size: int, kv_heads: int) -> None:
     """A decode step replayed from a CUDA graph (padded to a captured size) gives
     the eager forward's tokens, with the fused layer kernels inside the graph."""
-    runner = _kernel_runner("flashinfer", graph_bs=256, num_pages=1200)
+    runner = _kernel_runner("flashinfer", graph_bs=256, num_pages=1200, kv_heads=kv_heads)
     assert runner.graphs is not None and 256 in runner.graphs.sizes
     runner.pool.kv.normal_()
     ps, gen = 16, torch.Generator().manual_seed(batch_size)
