@@ -7,9 +7,11 @@ kernel, CUDA-graph replay time, sampling time and host time.
 For each batch size (every request at ``--context-len`` tokens of random KV):
 - eager forward under torch.profiler: CUDA kernels launched and their GPU time
   by category (gemm, attention, norm/rope/act/kv-append, other);
-- the step as the engine runs it (CUDA graph when the size is captured):
+- the step as the runner runs it (CUDA graph when the size is captured):
   GPU time of the forward and of sampling (CUDA events), host time to queue the
-  step (build the batch, plan, launch) and the step's wall time with a sync.
+  step (build the batch, plan, launch) and the step's wall time with a sync;
+- the engine's overlap loop with that many decoding requests: wall time per
+  step and the fraction of it the device was busy.
 
 Writes a JSON record to ``--output-file`` (default ``benchmarks/results/``).
 """
@@ -32,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_commit, host_info  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingBatch, sample  # noqa: E402
 from protocol.sampling import SamplingParams  # noqa: E402
@@ -176,6 +178,56 @@ def time_sampling(runner: ModelRunner, batch_size: int, reps: int = 20) -> dict[
     return out
 
 
+def serving_loop(engine: Engine, batch_size: int, context_len: int, steps: int) -> dict[str, float]:
+    """The engine's own overlap loop on ``batch_size`` decoding requests: wall
+    time per step and the fraction of it the device was busy (kernels running)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(batch_size)
+    warm = 8
+    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 4, ignore_eos=True)
+    for i in range(batch_size):
+        prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+        engine.add_request(f"loop-{batch_size}-{i}", prompt, params)
+    produced: dict[str, int] = defaultdict(int)
+    inflight = None
+    # Until every request is past its prefill and a few decode steps.
+    while min((produced[f"loop-{batch_size}-{i}"] for i in range(batch_size)), default=0) < warm:
+        inflight, results = engine.overlap_step(inflight)
+        for r in results:
+            produced[r.rid] += 1
+    dev = engine.runner.device
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            inflight, _ = engine.overlap_step(inflight)
+        wall = time.perf_counter() - t0
+        torch.cuda.synchronize(dev)
+    while inflight is not None or engine.has_unfinished():
+        inflight, _ = engine.overlap_step(inflight)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {
+        "loop_step_ms": wall / steps * 1e3,
+        "loop_gpu_busy_fraction": busy / window if window else 0.0,
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -248,9 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=args.max_running_requests,
         attention_backend=args.attention_backend,
     )
-    mc = ModelConfig.load(args.model, cfg.torch_dtype)
-    cfg = cfg.resolve(mc)
-    runner = ModelRunner(cfg, mc)
+    engine = Engine(cfg)
+    cfg, runner = engine.config, engine.runner
     # Random KV: timing on zeros can flatter the kernels.
     runner.pool.kv.normal_()
     rows = []
@@ -260,13 +311,14 @@ def main(argv: list[str] | None = None) -> None:
         row.update(profile_eager(runner, specs))
         row.update(time_steps(runner, specs, args.steps))
         row["sampling_ms_by_params"] = time_sampling(runner, b)
+        for t in tables:
+            runner.pool.allocator.free(t)
+        row.update(serving_loop(engine, b, args.context_len, args.steps))
         row["graph"] = runner.graphs is not None and runner.graphs.can_run(
             build_forward_batch(specs, runner.pool.page_size, runner.device)
         )
         rows.append(row)
         print(f"batch {b}: sampling ms by params {row['sampling_ms_by_params']}")
-        for t in tables:
-            runner.pool.allocator.free(t)
     print(
         f"model={args.model} attention={cfg.attention_backend} graphs<= {cfg.cuda_graph_max_bs} "
         f"context={args.context_len}"
@@ -274,13 +326,14 @@ def main(argv: list[str] | None = None) -> None:
     cats = list(CATEGORIES) + ["other"]
     head = f"{'batch':>5} {'kernels':>7} " + " ".join(f"{c:>16}" for c in cats)
     head += f" {'fwd GPU ms':>10} {'sample ms':>9} {'host ms':>8} {'wall ms':>8} graph"
+    head += f" {'loop ms':>8} {'GPU busy':>8}"
     print(head)
     for r in rows:
         cat_ms = " ".join(f"{r['gpu_ms_by_category'].get(c, 0.0):>16.3f}" for c in cats)
         print(
             f"{r['batch_size']:>5} {r['kernels']:>7} {cat_ms} {r['forward_gpu_ms']:>10.3f} "
             f"{r['sampling_gpu_ms']:>9.3f} {r['host_enqueue_ms']:>8.3f} {r['step_wall_ms']:>8.3f} "
-            f"{r['graph']}"
+            f"{r['graph']!s:>5} {r['loop_step_ms']:>8.3f} {r['loop_gpu_busy_fraction']:>8.1%}"
         )
     now = datetime.now(UTC)
     record = {

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
+from engine.host_copy import to_device
 from engine.model_config import ModelConfig
 from engine.request import EngineRequestError, Request, StepOutput
 from engine.runner import ForwardOutput, ModelRunner
@@ -97,9 +98,13 @@ class Engine:
         """Start the forward of an already scheduled batch."""
         if batch.future_rows:
             assert inflight is not None
-            src = torch.tensor(batch.future_src, device=inflight.out.token_ids.device)
-            rows = torch.tensor(batch.future_rows, device=batch.forward.input_ids.device)
-            batch.forward.input_ids[rows] = inflight.out.token_ids[src]
+            # Queued copies (pinned): a plain one would wait for the forward in
+            # flight, and this one is built while it runs.
+            index = to_device(
+                torch.tensor([batch.future_src, batch.future_rows], dtype=torch.int64),
+                batch.forward.input_ids.device,
+            )
+            batch.forward.input_ids[index[1]] = inflight.out.token_ids[index[0]]
         out = self.runner.forward(batch.forward, batch.sampling, batch.top_logprobs)
         return InFlight(batch, out)
 
