@@ -19,6 +19,14 @@ Token counts come from the server's final usage chunk (``stream_options:
 {"include_usage": true}``). Failed requests (non-200 status, an ``error``
 chunk, a broken stream, no text at all) are counted in ``failed`` and left out
 of every other metric. One JSON line per run is appended to ``--output-file``.
+
+The client must not add latency of its own: a chunk's time is when its bytes
+arrived, read in the socket's callback by a lean HTTP/1.1 client
+(``benchmarks/http_stream.py``; ``--http-client httpx`` for the general one);
+SSE and JSON are parsed after the run; request bodies are encoded before it;
+``--num-client-processes`` spreads very many streams over several event loops.
+``benchmarks/client_overhead.py`` measures what is left against a fake server
+of known timing.
 """
 
 from __future__ import annotations
@@ -26,26 +34,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import gc
+import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import shlex
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from multiprocessing import connection as mp_connection  # noqa: E402
+from multiprocessing.connection import Connection  # noqa: E402
+
 from benchmarks.common import git_commit, host_info  # noqa: E402
+from benchmarks.http_stream import Response, StreamClient, StreamError, sse_lines  # noqa: E402
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "serving.jsonl"
 ENDPOINTS = {"openai-completions": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -232,6 +250,19 @@ def arrival_gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> 
 
 # -- sending --------------------------------------------------------------------
 
+HTTP_CLIENTS = ("raw", "httpx")
+DEFER_PARSE_BYTES = 256 * 2**20
+"""Responses are parsed after the run (off the timing path) until they hold this
+many bytes; past it, each one is parsed as it completes, to bound memory."""
+START_DELAY_S = 0.05
+"""Client processes start sending this long after the last one is ready."""
+CONCURRENCY_PER_PROCESS = 512
+"""Streams one client process is given by default. Measured against the fake
+server (benchmarks/client_overhead.py, 12 ms between tokens, a 16-core host):
+one process noticed first tokens 0.2 / 0.4 / 0.8 ms late at 64 / 256 / 512
+streams; two or four processes were later (likely because a busy event loop
+never sleeps, while several less busy ones are each woken up for their chunks)."""
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -250,10 +281,22 @@ class BenchConfig:
     warmup_requests: int = 0
     seed: int = 0
     show_progress: bool = False
+    http_client: str = "raw"
+    """raw (benchmarks/http_stream.py; http:// only) or httpx."""
+    num_client_processes: int = 1
+    """Client processes that split the requests (see ``benchmark``)."""
+
+    @property
+    def path(self) -> str:
+        return self.endpoint or ENDPOINTS[self.backend]
 
     @property
     def url(self) -> str:
-        return self.base_url.rstrip("/") + (self.endpoint or ENDPOINTS[self.backend])
+        return self.base_url.rstrip("/") + self.path
+
+    @property
+    def chat(self) -> bool:
+        return self.backend == "openai-chat"
 
 
 @dataclass
@@ -262,7 +305,8 @@ class RequestOutcome:
     success: bool = False
     error: str = ""
     start: float = 0.0
-    """perf_counter() when the request was sent."""
+    """perf_counter() when the request was sent (CLOCK_MONOTONIC on Linux: the
+    same clock in every client process)."""
     end: float = 0.0
     ttft: float = 0.0
     latency: float = 0.0
@@ -279,6 +323,8 @@ class BenchmarkResult:
     outcomes: list[RequestOutcome]
     duration: float
     """Seconds from the first send to the last finish."""
+    processes: int = 1
+    """Client processes that sent the requests."""
 
 
 def request_payload(spec: RequestSpec, config: BenchConfig) -> dict[str, Any]:
@@ -289,7 +335,7 @@ def request_payload(spec: RequestSpec, config: BenchConfig) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if config.backend == "openai-chat":
+    if config.chat:
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
@@ -313,14 +359,15 @@ def error_text(error: Any) -> str:
     return str(error)
 
 
-async def read_stream(resp: httpx.Response, out: RequestOutcome, chat: bool) -> None:
-    """Consume an SSE response into ``out`` (timings, usage, or an error)."""
+def read_events(out: RequestOutcome, lines: Iterable[tuple[float, bytes]], chat: bool) -> None:
+    """Fill ``out`` (timings, usage, or an error) from an SSE stream's lines,
+    each with the time it arrived."""
     last = out.start
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
+    for now, line in lines:
+        if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             return
         chunk = json.loads(data)
         if chunk.get("error"):
@@ -330,7 +377,6 @@ async def read_stream(resp: httpx.Response, out: RequestOutcome, chat: bool) -> 
             out.prompt_tokens = usage.get("prompt_tokens")
             out.completion_tokens = usage.get("completion_tokens")
         if chunk_text(chunk, chat):
-            now = time.perf_counter()
             if out.chunks == 0:
                 out.ttft = now - out.start
             else:
@@ -339,28 +385,123 @@ async def read_stream(resp: httpx.Response, out: RequestOutcome, chat: bool) -> 
             out.chunks += 1
 
 
-async def send_request(
-    client: httpx.AsyncClient, config: BenchConfig, spec: RequestSpec
-) -> RequestOutcome:
-    out = RequestOutcome(prompt_len=spec.prompt_len)
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    payload = request_payload(spec, config)
-    out.start = time.perf_counter()
-    try:
-        async with client.stream("POST", config.url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                out.error = f"HTTP {resp.status_code}: {body[:500]}"
-            else:
-                await read_stream(resp, out, config.backend == "openai-chat")
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
-        out.error = f"{type(e).__name__}: {e}"
-    out.end = time.perf_counter()
+def settle(out: RequestOutcome, resp: Response, chat: bool) -> None:
+    """Turn a received response into the request's outcome."""
+    out.end = resp.end
     out.latency = out.end - out.start
+    if resp.status != 200:
+        out.error = f"HTTP {resp.status}: {resp.body.decode(errors='replace')[:500]}"
+    else:
+        try:
+            read_events(out, sse_lines(resp), chat)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            out.error = f"{type(e).__name__}: {e}"
     if not out.error and out.chunks == 0:
         out.error = "the stream carried no text"
     out.success = not out.error
-    return out
+
+
+class Sender:
+    """Sends prepared requests and parses their responses later."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.unparsed: list[tuple[RequestOutcome, Response]] = []
+        self.unparsed_bytes = 0
+
+    def body(self, spec: RequestSpec) -> bytes:
+        return json.dumps(request_payload(spec, self.config)).encode()
+
+    def prepare(self, spec: RequestSpec) -> Any:
+        """Everything a request needs before it is sent, built ahead of the run."""
+        return self.body(spec)
+
+    async def exchange(self, prepared: Any) -> Response:
+        raise NotImplementedError
+
+    async def send(self, spec: RequestSpec, prepared: Any) -> RequestOutcome:
+        out = RequestOutcome(prompt_len=spec.prompt_len)
+        out.start = time.perf_counter()
+        try:
+            resp = await self.exchange(prepared)
+        except (StreamError, httpx.HTTPError, OSError) as e:
+            out.end = time.perf_counter()
+            out.latency = out.end - out.start
+            out.error = f"{type(e).__name__}: {e}"
+            return out
+        # JSON waits until the run is over: parsing it now would delay the
+        # arrival of other streams' chunks on this event loop.
+        self.unparsed.append((out, resp))
+        self.unparsed_bytes += resp.size
+        if self.unparsed_bytes > DEFER_PARSE_BYTES:
+            self.settle_all()
+        return out
+
+    def settle_all(self) -> None:
+        for out, resp in self.unparsed:
+            settle(out, resp, self.config.chat)
+        self.unparsed.clear()
+        self.unparsed_bytes = 0
+
+    async def aclose(self) -> None:
+        pass
+
+
+class RawSender(Sender):
+    """``benchmarks/http_stream.py``: arrival times taken in the socket's read
+    callback, no per-chunk work beyond HTTP framing."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        super().__init__(config)
+        self.client = StreamClient(config.base_url, config.request_timeout_s, self.headers)
+
+    def prepare(self, spec: RequestSpec) -> bytes:
+        return self.client.request_bytes(self.config.path, self.body(spec))
+
+    async def exchange(self, prepared: bytes) -> Response:
+        return await self.client.post(prepared)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class HttpxSender(Sender):
+    """httpx (also https://); arrival times taken as its byte iterator yields."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        super().__init__(config)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        timeout = httpx.Timeout(config.request_timeout_s)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        self.headers |= {"Content-Type": "application/json"}
+
+    async def exchange(self, prepared: bytes) -> Response:
+        out = Response()
+        request = self.client.stream(
+            "POST", self.config.url, content=prepared, headers=self.headers
+        )
+        async with request as resp:
+            out.status = resp.status_code
+            async for data in resp.aiter_bytes():
+                out.times.append(time.perf_counter())
+                out.pieces.append(data)
+                # Leaving before the end of the body closes the connection.
+                # Kept alive instead, httpx's pool hands out connections so
+                # slowly at tens of streams that TTFT grows by seconds.
+                if b"data: [DONE]" in data:
+                    break
+        out.end = time.perf_counter()
+        return out
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def make_sender(config: BenchConfig) -> Sender:
+    if config.http_client not in HTTP_CLIENTS:
+        raise ValueError(f"unknown HTTP client {config.http_client!r}: one of {HTTP_CLIENTS}")
+    return RawSender(config) if config.http_client == "raw" else HttpxSender(config)
 
 
 class Progress:
@@ -379,50 +520,224 @@ class Progress:
             )
 
 
-async def run_benchmark(config: BenchConfig) -> BenchmarkResult:
-    """Warm up, then send ``config.requests`` at the configured arrival rate and
-    concurrency; return every request's outcome and the benchmark duration."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        limits=limits, timeout=httpx.Timeout(config.request_timeout_s)
-    ) as client:
-        slots = (
-            asyncio.Semaphore(config.max_concurrency)
-            if config.max_concurrency
-            else contextlib.nullcontext()
-        )
+@dataclass(frozen=True)
+class Share:
+    """The part of a run that one client process sends."""
 
-        async def limited(spec: RequestSpec) -> RequestOutcome:
-            async with slots:
-                return await send_request(client, config, spec)
+    indices: tuple[int, ...]
+    """Positions in ``BenchConfig.requests``."""
+    offsets: tuple[float, ...]
+    """When to send each, in seconds from the common start."""
+    max_concurrency: int | None
+    warmup: tuple[int, ...]
+    """Positions of the requests to send (and await) before the start."""
 
-        if config.warmup_requests:
-            specs = [
-                config.requests[i % len(config.requests)] for i in range(config.warmup_requests)
-            ]
-            warm = await asyncio.gather(*(limited(s) for s in specs))
+
+def send_offsets(config: BenchConfig) -> list[float]:
+    """Each request's send time from the start: the arrival process's pauses added up."""
+    n = len(config.requests)
+    gaps = arrival_gaps(n, config.request_rate, config.burstiness, random.Random(config.seed))
+    return list(itertools.accumulate(gaps[:-1], initial=0.0)) if n else []
+
+
+def split_shares(config: BenchConfig, processes: int) -> list[Share]:
+    """Deal the requests (and warm-up requests, and the concurrency limit) out
+    to ``processes`` clients in turn, keeping each request's send time; fewer
+    clients when there are fewer requests or concurrency slots than that."""
+    n, limit = len(config.requests), config.max_concurrency
+    processes = max(1, min(processes, n, limit or n))
+    offsets = send_offsets(config)
+    shares = []
+    for p in range(processes):
+        indices = tuple(range(p, n, processes))
+        concurrency = None if limit is None else limit // processes + (p < limit % processes)
+        warmup = tuple(i % n for i in range(p, config.warmup_requests, processes))
+        shares.append(Share(indices, tuple(offsets[i] for i in indices), concurrency, warmup))
+    return shares
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while requests are timed: a full collection over
+    a heap of stored chunks stops the event loop for milliseconds."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+async def send_share(
+    config: BenchConfig,
+    share: Share,
+    start_at: Callable[[], float] | None = None,
+    on_done: Callable[[], None] = lambda: None,
+) -> list[RequestOutcome]:
+    """Warm up, then send the share's requests at their times under its
+    concurrency limit; the outcomes in the share's order. ``start_at`` is
+    called once warm-up is over and returns the common start (perf_counter
+    time); None: start right away."""
+    sender = make_sender(config)
+    slots = (
+        asyncio.Semaphore(share.max_concurrency)
+        if share.max_concurrency
+        else contextlib.nullcontext()
+    )
+
+    async def limited(spec: RequestSpec, prepared: Any) -> RequestOutcome:
+        async with slots:
+            return await sender.send(spec, prepared)
+
+    try:
+        if share.warmup:
+            specs = [config.requests[i] for i in share.warmup]
+            warm = await asyncio.gather(*(limited(s, sender.prepare(s)) for s in specs))
+            sender.settle_all()
             if bad := [o for o in warm if not o.success]:
                 print(
                     f"warning: {len(bad)} warm-up requests failed: {bad[0].error}", file=sys.stderr
                 )
-
-        progress = Progress(len(config.requests), config.show_progress)
-        gaps = arrival_gaps(
-            len(config.requests), config.request_rate, config.burstiness, random.Random(config.seed)
-        )
+        specs = [config.requests[i] for i in share.indices]
+        prepared = [sender.prepare(s) for s in specs]
+        t0 = start_at() if start_at else time.perf_counter()
         tasks = []
-        # Absolute send times, so that event-loop delays do not accumulate.
-        t0, due = time.perf_counter(), 0.0
-        for spec, gap in zip(config.requests, gaps):
-            if (wait := t0 + due - time.perf_counter()) > 0:
-                await asyncio.sleep(wait)
-            task = asyncio.create_task(limited(spec))
-            task.add_done_callback(lambda _: progress.step())
-            tasks.append(task)
-            due += gap
-        outcomes = list(await asyncio.gather(*tasks))
+        with gc_paused():
+            # Absolute send times, so that event-loop delays do not accumulate.
+            for spec, request, offset in zip(specs, prepared, share.offsets):
+                if (wait := t0 + offset - time.perf_counter()) > 0:
+                    await asyncio.sleep(wait)
+                task = asyncio.create_task(limited(spec, request))
+                task.add_done_callback(lambda _: on_done())
+                tasks.append(task)
+            outcomes = list(await asyncio.gather(*tasks))
+        sender.settle_all()
+        return outcomes
+    finally:
+        await sender.aclose()
+
+
+def result_of(outcomes: list[RequestOutcome]) -> BenchmarkResult:
     duration = max(o.end for o in outcomes) - min(o.start for o in outcomes) if outcomes else 0.0
     return BenchmarkResult(outcomes, duration)
+
+
+async def run_benchmark(config: BenchConfig) -> BenchmarkResult:
+    """Warm up, then send ``config.requests`` at the configured arrival rate and
+    concurrency from this process; return every request's outcome and the
+    benchmark duration."""
+    (share,) = split_shares(config, 1)
+    progress = Progress(len(config.requests), config.show_progress)
+    return result_of(await send_share(config, share, on_done=progress.step))
+
+
+def default_client_processes(config: BenchConfig) -> int:
+    """One process while one event loop keeps up with the streams, more above.
+
+    Each client process handles up to CONCURRENCY_PER_PROCESS streams, and
+    there are no more of them than half the cores (the rest is left to the
+    server when it runs on the same machine)."""
+    concurrency = config.max_concurrency or len(config.requests)
+    wanted = math.ceil(concurrency / CONCURRENCY_PER_PROCESS)
+    return max(1, min(wanted, (os.cpu_count() or 1) // 2))
+
+
+def _client_process(config: BenchConfig, share: Share, pipe: Connection) -> None:
+    """A client process: its share, with the start time from the parent."""
+
+    def start_at() -> float:
+        pipe.send(("ready", None))
+        return pipe.recv()
+
+    try:
+        # A message per finished request only when there is a counter to show.
+        on_done = (lambda: pipe.send(("done", None))) if config.show_progress else lambda: None
+        outcomes = asyncio.run(send_share(config, share, start_at, on_done))
+        pipe.send(("result", outcomes))
+    except BaseException as e:  # reported by the parent, which then stops
+        pipe.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def process_context() -> multiprocessing.context.BaseContext:
+    # fork starts at once and needs no importable __main__; but a process with
+    # threads may hold a lock that the child then waits on forever.
+    if "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def run_processes(config: BenchConfig, shares: list[Share]) -> BenchmarkResult:
+    """One client process per share, started together; their outcomes merged
+    in request order."""
+    ctx = process_context()
+    pipes, procs = [], []
+    try:
+        for share in shares:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_client_process, args=(config, share, child), daemon=True)
+            proc.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(proc)
+        for pipe in pipes:
+            expect(pipe, "ready")
+        t0 = time.perf_counter() + START_DELAY_S
+        for pipe in pipes:
+            pipe.send(t0)
+        progress = Progress(len(config.requests), config.show_progress)
+        outcomes: list[Any] = [None] * len(config.requests)
+        waiting = dict(zip(pipes, shares))
+        while waiting:
+            for pipe in mp_connection.wait(list(waiting)):
+                kind, value = receive(pipe)
+                if kind == "done":
+                    progress.step()
+                    continue
+                share = waiting.pop(pipe)
+                for i, outcome in zip(share.indices, expect_value(kind, value, "result")):
+                    outcomes[i] = outcome
+        for proc in procs:
+            proc.join()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    assert all(o is not None for o in outcomes)
+    return result_of(outcomes)
+
+
+def receive(pipe: Connection) -> tuple[str, Any]:
+    try:
+        return pipe.recv()
+    except EOFError:
+        raise RuntimeError("a client process died") from None
+
+
+def expect_value(kind: str, value: Any, wanted: str) -> Any:
+    if kind == "error":
+        raise RuntimeError(f"a client process failed: {value}")
+    if kind != wanted:
+        raise RuntimeError(f"a client process sent {kind!r}, expected {wanted!r}")
+    return value
+
+
+def expect(pipe: Connection, wanted: str) -> Any:
+    return expect_value(*receive(pipe), wanted)
+
+
+def benchmark(config: BenchConfig) -> BenchmarkResult:
+    """Run the benchmark from ``config.num_client_processes`` processes (this
+    one when 1). Each process sends every N-th request at its original time
+    under 1/N of the concurrency limit, so slots are not shared between
+    processes: a free slot in one does not start another's waiting request."""
+    shares = split_shares(config, config.num_client_processes)
+    if len(shares) == 1:
+        return asyncio.run(run_benchmark(config))
+    result = run_processes(config, shares)
+    result.processes = len(shares)
+    return result
 
 
 # -- metrics --------------------------------------------------------------------
@@ -627,6 +942,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("OPENAI_API_KEY"),
         help="bearer token (default: $OPENAI_API_KEY, else none)",
+    )
+    ep.add_argument(
+        "--http-client",
+        choices=HTTP_CLIENTS,
+        default="raw",
+        help="raw: a lean HTTP/1.1 client on asyncio (benchmarks/http_stream.py) that notes "
+        "each chunk's arrival before any parsing, http:// only (https:// falls back to httpx); "
+        "httpx: the general client (default: %(default)s)",
+    )
+    ep.add_argument(
+        "--num-client-processes",
+        type=int,
+        default=None,
+        help="client processes that split the requests (each sends every N-th request at its "
+        "time, under 1/N of --max-concurrency), so that one event loop's work does not delay "
+        f"the chunks it times (default: 1 up to {CONCURRENCY_PER_PROCESS} concurrent requests, "
+        f"one more per {CONCURRENCY_PER_PROCESS} above, at most half the cores)",
     )
     ep.add_argument(
         "--request-timeout-s",
@@ -840,6 +1172,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--request-rate and --burstiness must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error("--max-concurrency must be >= 1")
+    if args.num_client_processes is not None and args.num_client_processes < 1:
+        parser.error("--num-client-processes must be >= 1")
+    if args.http_client == "raw" and base_url.startswith("https://"):
+        print("note: the raw HTTP client has no TLS; using httpx for https://", file=sys.stderr)
+        args.http_client = "httpx"
+    elif urlsplit(base_url).scheme not in ("http", "https"):
+        parser.error(f"--base-url must be http:// or https://, got {base_url}")
     try:
         requests = sample_requests(args)
     except (OSError, ValueError) as e:
@@ -874,13 +1213,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warmup_requests=args.warmup_requests,
         seed=args.seed,
         show_progress=not args.disable_progress,
+        http_client=args.http_client,
     )
+    processes = args.num_client_processes or default_client_processes(config)
+    config = dataclasses.replace(config, num_client_processes=processes)
     print(
         f"{len(requests)} requests to {config.url} (model {model}), rate {args.request_rate}, "
-        f"max concurrency {args.max_concurrency}",
+        f"max concurrency {args.max_concurrency}, {args.http_client} client",
         file=sys.stderr,
     )
-    result = asyncio.run(run_benchmark(config))
+    result = benchmark(config)
     rate = args.request_rate
     record: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -895,6 +1237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
         "workload": workload_info(args, requests),
         **compute_metrics(result.outcomes, result.duration, args.slo),
+        "client": {"http_client": args.http_client, "processes": result.processes},
         "command": command_line(sys.argv if argv is None else [Path(__file__).name, *argv]),
         "git_commit": git_commit(),
         "machine": machine_info(),

@@ -186,14 +186,18 @@ def serving_loop(engine: Engine, batch_size: int, context_len: int, steps: int) 
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(batch_size)
     warm = 8
-    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 4, ignore_eos=True)
-    for i in range(batch_size):
+    # Long enough that no request finishes before the timed steps end (the first
+    # ones decode while the last ones are still prefilling); aborted after.
+    max_tokens = engine.context_length - context_len - 1
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rids = [f"loop-{batch_size}-{i}" for i in range(batch_size)]
+    for rid in rids:
         prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
-        engine.add_request(f"loop-{batch_size}-{i}", prompt, params)
+        engine.add_request(rid, prompt, params)
     produced: dict[str, int] = defaultdict(int)
     inflight = None
     # Until every request is past its prefill and a few decode steps.
-    while min((produced[f"loop-{batch_size}-{i}"] for i in range(batch_size)), default=0) < warm:
+    while min((produced[rid] for rid in rids), default=0) < warm:
         inflight, results = engine.overlap_step(inflight)
         for r in results:
             produced[r.rid] += 1
@@ -204,8 +208,10 @@ def serving_loop(engine: Engine, batch_size: int, context_len: int, steps: int) 
             inflight, _ = engine.overlap_step(inflight)
         wall = time.perf_counter() - t0
         torch.cuda.synchronize(dev)
-    while inflight is not None or engine.has_unfinished():
-        inflight, _ = engine.overlap_step(inflight)
+    if inflight is not None:
+        engine.finish(inflight)
+    for rid in rids:
+        engine.abort(rid)
     spans = sorted(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()

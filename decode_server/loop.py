@@ -27,11 +27,12 @@ from engine.request import EngineRequestError
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
 from protocol.roles import DECODE
+from protocol.stages import ADMITTED, DONE_RECEIVED, RESERVE_SENT
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 from worker.config import WorkerConfig
 from worker.disagg_loop import DisaggLoop
-from worker.loop import abort_delta, idle_wait, step_delta
+from worker.loop import abort_delta, idle_wait, step_delta, timed_overlap_step
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         self.clients[msg.rid] = client
         if msg.prefill_bootstrap is None:
             self.scheduler.add(req)
+            self.stages.mark(msg.rid, ADMITTED)
             return
         room = Room(
             msg.room or msg.rid,
@@ -81,6 +83,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
             time.monotonic() + self.config.transfer_timeout_s,
         )
         self.rooms.add(room)
+        self.stages.set_room(msg.rid, room.id)
         self.prealloc.append(room)
 
     def abort(self, rid: str) -> None:
@@ -116,9 +119,11 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
                 room.id, req.page_table[prefix // ps :], prefix, len(req.prompt_ids)
             ),
         )
+        self.stages.mark(req.rid, RESERVE_SENT)
 
     def _on_done(self, room: Room, msg: to_decode.Done) -> None:
         req = room.req
+        self.stages.mark(req.rid, DONE_RECEIVED)
         self.counters["transfers_ok"] += 1
         log.debug("rid=%s room=%s: KV received, decoding", req.rid, room.id)
         req.num_computed = len(req.fill_ids)
@@ -134,6 +139,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         room.move(DecodeState.DECODING)
         # The first token already reached the requester from the prefill side.
         self.scheduler.admit_prefilled(req)
+        self.stages.mark(req.rid, ADMITTED)
 
     def _fail_room(
         self, room: Room, kind: str, reason: str | None, peer_alive: bool = True
@@ -178,7 +184,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         self._deadlines()
         # Overlap: step N+1 is scheduled and launched before step N's tokens
         # are read back and streamed.
-        self.inflight, results = self.engine.overlap_step(self.inflight)
+        self.inflight, results = timed_overlap_step(self.engine, self.stages, self.inflight)
         if not (had_events or results or self.outbox or self.inflight):
             idle_wait()
         for r in results:

@@ -19,18 +19,16 @@ is how the filters' thresholds are found and how the noise is made:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from engine.sampling import (
-    _FMIX_C1,
-    _FMIX_C2,
-    _INDEX_SALT,
-    SampleOutput,
-    SamplingBatch,
-    _row_keys,
-)
+from engine.sampling_hash import _FMIX_C1, _FMIX_C2, _INDEX_SALT, _row_keys
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingBatch
 
 BLOCK = 4096
 PIVOTS = 64
@@ -199,8 +197,8 @@ def _top_p_within(
     return torch.where(top_p >= 1.0, float("-inf"), thr)
 
 
-def sample_cuda(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-    """``engine.sampling.sample`` for CUDA logits (same contract)."""
+def sample_cuda(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``engine.sampling.sample`` for CUDA logits: (token ids, logprobs)."""
     x = logits.to(torch.float32).contiguous()
     rows, vocab = x.shape
     device = x.device
@@ -228,4 +226,4 @@ def sample_cuda(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         token_ids = torch.where(is_greedy, greedy_ids, drawn)
     chosen = x.gather(-1, token_ids[:, None]).squeeze(-1)
     logprobs = chosen - torch.logsumexp(x, dim=-1)
-    return SampleOutput(token_ids=token_ids, logprobs=logprobs)
+    return token_ids, logprobs

@@ -39,13 +39,17 @@ from gateway.openai import (
     stop_strings,
 )
 from gateway.routing import WorkerError
+from gateway.stages import RequestTrace
 from gateway.state import GatewayState
+
+RECEIVED_AT = "received_at"
+"""Key in the request's ``state`` of when the request came in (monotonic)."""
 
 
 def build_app(state: GatewayState) -> FastAPI:
     app = FastAPI(title="disagg-serve gateway", lifespan=_lifespan(state))
     _add_error_handlers(app, state)
-    _add_guards(app, state.config)
+    app.add_middleware(Guards, config=state.config)
     _add_status_routes(app, state)
     _add_admin_routes(app, state)
     _add_generation_routes(app, state)
@@ -89,28 +93,82 @@ def _add_error_handlers(app: FastAPI, state: GatewayState) -> None:
         ).response()
 
 
-def _add_guards(app: FastAPI, cfg: GatewayConfig) -> None:
-    @app.middleware("http")
-    async def guards(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        auth = request.headers.get("authorization")
+class Guards:
+    """The checks every request passes first: API and admin keys, and the body
+    size limit. It also stamps when the request came in (``RECEIVED_AT``).
+
+    A plain ASGI middleware, not an ``http`` one: that kind hands every chunk
+    of a streamed response across a memory stream and a task of its own,
+    which would cost more per streamed token than the rest of the gateway."""
+
+    def __init__(self, app: Any, config: GatewayConfig) -> None:
+        self.app = app
+        self.cfg = config
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})[RECEIVED_AT] = time.monotonic()
+        cfg = self.cfg
+        path = scope["path"]
+        auth = size = None
+        for name, value in scope["headers"]:
+            if name == b"authorization" and auth is None:
+                auth = value.decode("latin-1")
+            elif name == b"content-length" and size is None:
+                size = value.decode("latin-1")
+        error = None
         if path.startswith("/v1/") and cfg.api_key and auth != f"Bearer {cfg.api_key}":
-            return APIError(401, "invalid or missing API key", code="invalid_api_key").response()
-        if path.startswith("/admin/") and cfg.admin_key and auth != f"Bearer {cfg.admin_key}":
-            return APIError(401, "invalid or missing admin key", code="invalid_api_key").response()
-        size = request.headers.get("content-length")
-        if size is None and request.method in ("POST", "PUT", "PATCH"):
+            error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+        elif path.startswith("/admin/") and cfg.admin_key and auth != f"Bearer {cfg.admin_key}":
+            error = APIError(401, "invalid or missing admin key", code="invalid_api_key")
+        elif size is None and scope["method"] in ("POST", "PUT", "PATCH"):
             # Invariant: no body over max_body_bytes reaches a handler, framed
             # by Content-Length or not (a chunked body has no header to check;
-            # it is read here and handed on from Starlette's request cache).
-            size = str(len(await request.body()))
-        if size is not None and size.isdigit() and int(size) > cfg.max_body_bytes:
-            return APIError(
+            # it is read here and handed on as one message).
+            body, receive = await _buffer_body(receive)
+            size = str(len(body))
+        too_large = size is not None and size.isdigit() and int(size) > cfg.max_body_bytes
+        if error is None and too_large:
+            error = APIError(
                 400,
                 f"request body is {size} bytes; the limit is {cfg.max_body_bytes}",
                 code="body_too_large",
-            ).response()
-        return await call_next(request)
+            )
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _buffer_body(receive: Any) -> tuple[bytes, Any]:
+    """Read the whole request body; returns it and a ``receive`` that hands it
+    on in one message, then passes on whatever comes next (a disconnect)."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            # The client left before its body was complete: pass that on.
+            first: dict[str, Any] | None = message
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            first = None
+            break
+    body = b"".join(parts)
+    replayed = False
+
+    async def replay() -> Any:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            if first is not None:
+                return first
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return body, replay
 
 
 def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
@@ -164,14 +222,14 @@ def _add_admin_routes(app: FastAPI, state: GatewayState) -> None:
 
 def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, request: Request) -> Response:
         _check_model(state, req.model)
         assert state.tokenizer is not None
         prompts = completion_prompts(req.prompt, state.tokenizer)
-        return await _generate(state, req, prompts, CompletionShape)
+        return await _generate(state, req, prompts, CompletionShape, _received(request))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Response:
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         _check_model(state, req.model)
         assert state.tokenizer is not None
         msgs = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -181,7 +239,12 @@ def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
             ids = state.tokenizer.chat_ids(msgs, add_generation_prompt=req.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return await _generate(state, req, [ids], ChatShape)
+        return await _generate(state, req, [ids], ChatShape, _received(request))
+
+
+def _received(request: Request) -> float:
+    """When the request came in (stamped by ``Guards``; now, without it)."""
+    return request.scope.get("state", {}).get(RECEIVED_AT) or time.monotonic()
 
 
 def _check_model(state: GatewayState, name: str) -> None:
@@ -199,8 +262,11 @@ async def _generate(
     req: GenerationRequest,
     prompts: list[list[int]],
     shape_type: type[ResponseShape],
+    received: float | None = None,
 ) -> Response:
-    """``req.n`` choices per prompt, as one response of ``shape_type``'s shape."""
+    """``req.n`` choices per prompt, as one response of ``shape_type``'s shape;
+    ``received``: when the request came in (the prompts are tokenized now)."""
+    tokenized = time.monotonic()
     cfg, tokenizer = state.config, state.tokenizer
     assert tokenizer is not None
     check_choices(req.n)
@@ -224,8 +290,9 @@ async def _generate(
                 sampling_params(req, max_tokens, choice_seed(req.seed, i), shape.top_k or 0)
             )
     rid = shape.id_prefix + secrets.token_hex(12)
+    traces = [RequestTrace(received or tokenized, tokenized) for _ in specs]
     gens = [
-        choice_stream(state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}")
+        choice_stream(state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}", traces[i])
         for i, (ids, spec) in enumerate(zip(choice_prompts, specs))
     ]
     started = time.monotonic()
@@ -241,9 +308,16 @@ async def _generate(
             metrics=state.metrics,
             timeout_s=cfg.request_timeout_s,
             started=started,
+            traces=traces,
         )
         return ClosingStreamingResponse(events, media_type="text/event-stream")
     timing = RequestTiming(state.metrics, len(gens), started)
-    results = await collect_choices(gens, timing, cfg.request_timeout_s)
+    ok = False
+    try:
+        results = await collect_choices(gens, timing, cfg.request_timeout_s)
+        ok = True
+    finally:
+        for trace in traces:
+            state.metrics.stages.finish(trace, ok)
     state.metrics.e2e.observe(time.monotonic() - started)
     return JSONResponse(full_response(ctx, results))

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import zmq
 
 from gateway.routing import Router, WorkerInfo
+from gateway.stages import RequestTrace, current_trace
 from protocol.client import (
     DEFAULT_CONNECT_TIMEOUT_S,
     WorkerClient,
@@ -21,6 +22,7 @@ from protocol.client import (
     WorkerUnreachable,
 )
 from protocol.sampling import SamplingParams
+from protocol.stages import DISPATCHED
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 
@@ -133,6 +135,7 @@ class Dispatcher:
         ``request_id`` prefixes the id the workers see (and log), so that a
         response's id can be followed into the workers' logs."""
         base = request_id or secrets.token_hex(8)
+        trace = current_trace.get()
         tried: set[str] = set()
         last: _NotDispatched | None = None
         while True:
@@ -145,7 +148,7 @@ class Dispatcher:
             started = False
             try:
                 rid = f"{base}-{len(tried)}-{secrets.token_hex(4)}"
-                async for delta in self._attempt(rid, prompt_ids, spec, prefill, decode):
+                async for delta in self._attempt(rid, prompt_ids, spec, prefill, decode, trace):
                     started = True
                     yield delta
                 return
@@ -167,6 +170,7 @@ class Dispatcher:
         spec: SamplingParams,
         prefill: WorkerInfo | None,
         decode: WorkerInfo,
+        trace: RequestTrace | None = None,
     ) -> AsyncIterator[TokenDelta]:
         log.debug(
             "rid=%s: prefill %s, decode %s",
@@ -179,13 +183,22 @@ class Dispatcher:
         if prefill is not None:
             self.router.begin(prefill, len(prompt_ids))
         failed: set[WorkerInfo] = set()
+        stages = trace.clock if trace is not None else None
         # aclosing: leaving this iterator early closes the worker streams now
         # (which aborts the request on the workers), not when the inner
         # generators happen to be garbage-collected.
         try:
             if prefill is None:
                 client = await self._client(decode)
-                gen = _watch(client.generate(Generate(rid, prompt_ids, spec)), decode, failed)
+                _dispatched(trace, rid, "", {decode.role: decode.url})
+                # merge: deltas that piled up while the gateway was busy go on
+                # as one (fewer, larger SSE chunks when a client falls behind).
+                gen = _watch(
+                    client.generate(Generate(rid, prompt_ids, spec), stages=stages, merge=True),
+                    decode,
+                    failed,
+                    trace,
+                )
                 async with contextlib.aclosing(gen):  # type: ignore[type-var]
                     async for delta in gen:
                         yield delta
@@ -194,9 +207,10 @@ class Dispatcher:
             dclient, pclient = await self._client(decode), await self._client(prefill)
             p_msg = Prefill(rid, prompt_ids, spec, room, decode.bootstrap_endpoint)
             d_msg = Generate(rid, prompt_ids, spec, room, prefill.bootstrap_endpoint)
+            _dispatched(trace, rid, room, {prefill.role: prefill.url, decode.role: decode.url})
             merged = merge_prefill_decode(
-                _watch(pclient.generate(p_msg), prefill, failed),
-                _watch(dclient.generate(d_msg), decode, failed),
+                _watch(pclient.generate(p_msg, stages=stages), prefill, failed, trace),
+                _watch(dclient.generate(d_msg, stages=stages, merge=True), decode, failed, trace),
             )
             async with contextlib.aclosing(merged):
                 async for delta, _source in merged:
@@ -212,18 +226,32 @@ class Dispatcher:
                 self.router.end(prefill, len(prompt_ids), prefill not in failed)
 
 
+def _dispatched(trace: RequestTrace | None, rid: str, room: str, workers: dict[str, str]) -> None:
+    """Note in ``trace`` the attempt being sent: its request id, room, workers."""
+    if trace is not None:
+        trace.rid, trace.room, trace.workers = rid, room, workers
+        trace.mark(DISPATCHED)
+
+
 async def _watch(
-    gen: AsyncIterator[TokenDelta], worker: WorkerInfo, failed: set[WorkerInfo]
+    gen: AsyncIterator[TokenDelta],
+    worker: WorkerInfo,
+    failed: set[WorkerInfo],
+    trace: RequestTrace | None = None,
 ) -> AsyncIterator[TokenDelta]:
-    """``gen``, noting in ``failed`` whether ``worker`` failed the request; a
-    lost connection before the first delta is raised as ``_NotDispatched``
-    (the worker produced nothing, so another may take the request)."""
+    """``gen``, noting in ``failed`` whether ``worker`` failed the request and
+    in ``trace`` the stages it reported; a lost connection before the first
+    delta is raised as ``_NotDispatched`` (the worker produced nothing, so
+    another may take the request)."""
     first = True
     try:
         async for delta in gen:
             first = False
-            if delta.finish_reason == "error":
-                failed.add(worker)
+            if delta.finish_reason is not None:
+                if delta.finish_reason == "error":
+                    failed.add(worker)
+                if delta.stages is not None and trace is not None:
+                    trace.report(worker.role, delta.stages)
             yield delta
     except WorkerError as e:
         failed.add(worker)

@@ -7,6 +7,8 @@ import time
 from collections import defaultdict
 
 from gateway.routing import Router
+from gateway.stages import StageMetrics
+from protocol.tracing import StageSpans
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -18,10 +20,10 @@ class Histogram:
         self.total = 0.0
         self.n = 0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(_BUCKETS, seconds)] += 1
-        self.total += seconds
-        self.n += 1
+    def observe(self, seconds: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(_BUCKETS, seconds)] += times
+        self.total += seconds * times
+        self.n += times
 
     def render(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
@@ -55,11 +57,13 @@ class GatewayMetrics:
         self.e2e = Histogram("gateway_e2e_request_latency_seconds", "request latency")
         self.requests = Counter("gateway_requests_total", "requests by endpoint", "endpoint")
         self.failures = Counter("gateway_request_failures_total", "failed requests by kind", "kind")
+        self.stages = StageMetrics(StageSpans.from_env("gateway"))
 
     def render(self, router: Router) -> str:
         lines: list[str] = []
         for m in (self.ttft, self.itl, self.e2e, self.requests, self.failures):
             lines += m.render()
+        lines += self.stages.render()
         lines += [
             "# HELP gateway_worker_healthy 1 if the worker is taking requests",
             "# TYPE gateway_worker_healthy gauge",
@@ -79,13 +83,18 @@ class RequestTiming:
         self.last: list[float | None] = [None] * n
 
     def observe(self, i: int, num_tokens: int) -> None:
-        """Choice ``i`` produced an event with ``num_tokens`` tokens."""
+        """Choice ``i`` produced an event with ``num_tokens`` tokens. The tokens
+        of one event reach the client together: after the first, each counts
+        as a gap of 0 (so there is one ITL sample per token but the first)."""
         if not num_tokens:
             return
         t = time.monotonic()
         last = self.last[i]
+        itl = self.metrics.itl
         if last is None:
             self.metrics.ttft.observe(t - self.started)
         else:
-            self.metrics.itl.observe(t - last)
+            itl.observe(t - last)
+        if num_tokens > 1:
+            itl.observe(0.0, num_tokens - 1)
         self.last[i] = t

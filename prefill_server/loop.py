@@ -22,6 +22,13 @@ from kvtransfer.prefill_side import PrefillKVPlane
 from prefill_server.room import STOPPED, FirstToken, PrefillState, Room, Unclaimed
 from prefill_server.scheduler import PREFILL_DONE, PrefillScheduler
 from protocol.roles import PREFILL
+from protocol.stages import (
+    ADMITTED,
+    DONE_SENT,
+    LAST_CHUNK_PUSHED,
+    RESERVE_RECEIVED,
+    WRITES_LANDED,
+)
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 from worker.config import WorkerConfig
@@ -87,6 +94,10 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
     def _open(self, room: Room, client: bytes) -> None:
         self.rooms.add(room)
         self.clients[room.req.rid] = client
+        # The room outlives the request's only delta (its KV is still moving):
+        # its stage record stays open until the room is dropped.
+        self.stages.set_room(room.req.rid, room.id)
+        self.stages.hold(room.req.rid)
         log.debug(
             "rid=%s room=%s: prefill of %d tokens for %s",
             room.req.rid,
@@ -128,6 +139,8 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
         room.deadline = time.monotonic() + self.config.transfer_timeout_s
         room.move(PrefillState.COMPUTING)
         self.scheduler.add(room.req)
+        self.stages.mark(room.req.rid, RESERVE_RECEIVED)
+        self.stages.mark(room.req.rid, ADMITTED)
 
     def _fits(self, msg: to_prefill.Reserve, n_prompt: int) -> bool:
         """The reservation covers exactly the prompt's pages past a whole-page
@@ -208,7 +221,14 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
 
     def _run(self, batch: ScheduledBatch) -> None:
         """Compute one batch of chunks and push every page it filled."""
-        for r in self.engine.finish(self.engine.launch_batch(batch)):
+        t0 = time.monotonic()
+        results = self.engine.finish(self.engine.launch_batch(batch))
+        t1 = time.monotonic()
+        rids = [req.rid for req in batch.requests]
+        self.stages.forward_started(rids, t0)
+        self.stages.forward_finished(rids, t1)
+        self.stages.tokens_sampled((r.rid for r in results), t1)
+        for r in results:
             room = self._room_of(r.rid)
             room.first = FirstToken(r.token_id, r.logprob, r.finish_reason)
             room.computed_at = time.monotonic()
@@ -219,6 +239,8 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             room = self._room_of(req.rid)
             if room.state not in STOPPED:
                 self._push(room)
+                if room.state is PrefillState.SETTLING:
+                    self.stages.mark(req.rid, LAST_CHUNK_PUSHED)
 
     def _room_of(self, rid: str) -> Room:
         room = self.rooms.serving(rid)
@@ -270,7 +292,9 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
         tok, lp, reason = room.first
         cached = max(room.req.num_cached_tokens, 0)
         finish = None if reason == PREFILL_DONE else reason
+        self.stages.mark(room.req.rid, WRITES_LANDED)
         self.kv.send(room.decode, to_decode.Done(room.id, tok, lp, cached, finish))
+        self.stages.mark(room.req.rid, DONE_SENT)
         room.move(PrefillState.DONE)
         tail = time.monotonic() - room.computed_at
         self.counters["transfers_ok"] += 1
@@ -300,6 +324,7 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             self.scheduler.release(room.req)
         self.rooms.remove(room)
         self.engine.forget(room.req.rid)
+        self.stages.release(room.req.rid)
 
     def has_work(self) -> bool:
         # The engine process only calls step() (the one place the KV plane is

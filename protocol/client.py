@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +38,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol import to_gateway, to_worker
+from protocol.stages import FIRST_TOKEN_RECEIVED, StageClock
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Abort, Generate, Prefill
 
@@ -66,6 +69,71 @@ class WorkerClientClosed(WorkerError):
 
 
 _Item = TokenDelta | WorkerError
+_NOT_MERGED = frozenset({"error", "abort"})
+"""Final reasons a delta is never merged into (the tokens before it go first)."""
+
+
+class _Inbox:
+    """The deltas of one request in flight, in arrival order, and its waiter.
+
+    The request's timeout needs no timer per delta: one timer per request,
+    which, when it fires early (a delta came, or the consumer was busy), is
+    set again for the remaining time."""
+
+    __slots__ = ("items", "waiter", "timer", "last_at", "wait_from", "stages")
+
+    def __init__(self, now: float, stages: StageClock | None) -> None:
+        self.items: deque[_Item] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.last_at = now
+        """Loop time of the last delta (or of the request's start)."""
+        self.wait_from = now
+        """Loop time the consumer last started to wait."""
+        self.stages = stages
+        """Stamped with FIRST_TOKEN_RECEIVED by the first delta with tokens; then None."""
+
+    def put(self, item: _Item) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+def merge_deltas(first: TokenDelta, rest: deque[_Item]) -> TokenDelta:
+    """``first`` and the deltas of the same request already queued behind it
+    (taken from ``rest``), as one delta: the tokens in order, the last one's
+    finish reason. Stops before an error or abort, so that the tokens ahead of
+    it are handed over first, and where top logprobs come and go."""
+    if first.finish_reason is not None or not rest:
+        return first
+    parts = [first]
+    with_tops = first.top_logprobs is not None
+    while rest:
+        nxt = rest[0]
+        if (
+            isinstance(nxt, WorkerError)
+            or nxt.finish_reason in _NOT_MERGED
+            or (nxt.top_logprobs is not None) != with_tops
+        ):
+            break
+        parts.append(nxt)
+        rest.popleft()
+        if nxt.finish_reason is not None:
+            break
+    if len(parts) == 1:
+        return first
+    last = parts[-1]
+    return TokenDelta(
+        first.rid,
+        [t for p in parts for t in p.token_ids],
+        [x for p in parts for x in p.logprobs],
+        last.finish_reason,
+        max(p.num_cached_tokens for p in parts),
+        last.error,
+        [t for p in parts for t in p.top_logprobs or ()] if with_tops else None,
+        last.stages,
+    )
 
 
 class WorkerClient:
@@ -86,7 +154,7 @@ class WorkerClient:
         self._ctx = context
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
-        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._inboxes: dict[str, _Inbox] = {}
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -119,7 +187,7 @@ class WorkerClient:
             return
         self._closed = True
         self._connected.set()  # wakes requests waiting for a connection; they see _closed
-        for rid in list(self._queues):
+        for rid in list(self._inboxes):
             self._post(Abort(rid))
         if self._sock is not None:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -152,20 +220,31 @@ class WorkerClient:
 
     @property
     def in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._inboxes)
 
     # -- requests --------------------------------------------------------------
 
-    async def generate(self, msg: Generate | Prefill) -> AsyncIterator[TokenDelta]:
+    async def generate(
+        self,
+        msg: Generate | Prefill,
+        *,
+        stages: StageClock | None = None,
+        merge: bool = False,
+    ) -> AsyncIterator[TokenDelta]:
         """Send ``msg`` and yield its deltas until the final one (finish_reason
         set). See the module docstring for the failure contract. Raises
-        ``ValueError`` if ``msg.rid`` is already in flight on this client."""
+        ``ValueError`` if ``msg.rid`` is already in flight on this client.
+
+        ``stages``: stamped with ``FIRST_TOKEN_RECEIVED`` when the frame with
+        the request's first token is read. ``merge``: deltas of the request
+        that are already here when the consumer asks for the next one come as
+        one (``merge_deltas``); nothing is ever held back to wait for more."""
         if self._sock is None:
             await self.start()
         if self._closed:
             raise WorkerClientClosed("client is closed")
         rid = msg.rid
-        if rid in self._queues:
+        if rid in self._inboxes:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
         if not self._connected.is_set():
             # Invariant: a request is only handed to ZMQ while a connection is
@@ -180,37 +259,66 @@ class WorkerClient:
                 ) from None
             if self._closed:
                 raise WorkerClientClosed("client is closed")
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._queues[rid] = queue
+        loop = asyncio.get_running_loop()
+        inbox = _Inbox(loop.time(), stages)
+        self._inboxes[rid] = inbox
+        items = inbox.items
         finished = False
         try:
             self._post(msg)
             while True:
-                try:
-                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
-                    # cancel that races a result, and an abandoned stream would
-                    # then run to its end on the worker.
-                    async with asyncio.timeout(self.timeout_s):
-                        item = await queue.get()
-                except TimeoutError:
-                    raise WorkerTimeout(
-                        f"no reply for request {rid!r} from {self.endpoint} "
-                        f"within {self.timeout_s:g}s"
-                    ) from None
+                if not items:
+                    await self._wait(inbox, rid)
+                item = items.popleft()
                 if isinstance(item, WorkerError):
                     if not isinstance(item, WorkerDisconnected):
                         finished = True
                     raise item
+                if merge and items:
+                    item = merge_deltas(item, items)
                 if item.finish_reason is not None:
                     finished = True
                 yield item
                 if finished:
                     return
         finally:
-            if self._queues.get(rid) is queue:
-                del self._queues[rid]
+            if inbox.timer is not None:
+                inbox.timer.cancel()
+            if self._inboxes.get(rid) is inbox:
+                del self._inboxes[rid]
             if not finished and not self._closed:
                 self._post(Abort(rid))
+
+    async def _wait(self, inbox: _Inbox, rid: str) -> None:
+        """Until ``inbox`` has an item; ``WorkerTimeout`` when none came within
+        ``timeout_s`` of the last delta or of the start of this wait."""
+        loop = asyncio.get_running_loop()
+        inbox.wait_from = loop.time()
+        if inbox.timer is None:
+            inbox.timer = loop.call_at(
+                max(inbox.last_at, inbox.wait_from) + self.timeout_s, self._expire, inbox, rid
+            )
+        waiter = inbox.waiter = loop.create_future()
+        try:
+            await waiter
+        finally:
+            inbox.waiter = None
+
+    def _expire(self, inbox: _Inbox, rid: str) -> None:
+        inbox.timer = None
+        waiter = inbox.waiter
+        if waiter is None or waiter.done():
+            return  # the consumer is busy; its next wait sets the timer again
+        loop = asyncio.get_running_loop()
+        due = max(inbox.last_at, inbox.wait_from) + self.timeout_s
+        if loop.time() < due:
+            inbox.timer = loop.call_at(due, self._expire, inbox, rid)
+            return
+        waiter.set_exception(
+            WorkerTimeout(
+                f"no reply for request {rid!r} from {self.endpoint} within {self.timeout_s:g}s"
+            )
+        )
 
     async def abort(self, rid: str) -> None:
         """Ask the worker to stop ``rid``; its iterator then gets an "abort" delta."""
@@ -240,6 +348,7 @@ class WorkerClient:
 
     async def _receive(self) -> None:
         assert self._sock is not None
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 frame = await self._sock.recv()
@@ -252,10 +361,17 @@ class WorkerClient:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("ignoring a malformed frame from %s: %s", self.endpoint, e)
                 continue
+            now = loop.time()
+            inboxes = self._inboxes
             for delta in tokens.deltas:
-                queue = self._queues.get(delta.rid)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                inbox = inboxes.get(delta.rid)
+                if inbox is None:
+                    continue
+                inbox.last_at = now
+                if inbox.stages is not None and delta.token_ids:
+                    inbox.stages.mark(FIRST_TOKEN_RECEIVED, time.monotonic())
+                    inbox.stages = None
+                inbox.put(delta)
 
     async def _watch(self) -> None:
         assert self._monitor is not None
@@ -274,5 +390,5 @@ class WorkerClient:
 
     def _fail_all(self, error: WorkerError) -> None:
         """End every in-flight request with ``error`` (they can get no more deltas)."""
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for inbox in self._inboxes.values():
+            inbox.put(error)

@@ -16,6 +16,9 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     """Set with finish_reason "error": why the request failed."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token: the most likely (token id, logprob) pairs, when asked for."""
+    stages: dict[str, float] | None = None
+    """On a request's final delta: the worker's stage stamps (``protocol.stages``)
+    as seconds after it received the request. Older peers neither send nor read it."""
 
 
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):

@@ -42,8 +42,8 @@ def cuda_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.sampling_triton import sample_cuda
 
     def on_cuda(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        out = sample_cuda(logits.to("cuda"), _on(batch, "cuda"))
-        return SampleOutput(out.token_ids.cpu(), out.logprobs.cpu())
+        ids, logprobs = sample_cuda(logits.to("cuda"), _on(batch, "cuda"))
+        return SampleOutput(ids.cpu(), logprobs.cpu())
 
     monkeypatch.setattr(test_sampling, "sample", on_cuda)
 
@@ -68,7 +68,7 @@ def test_cuda_sampler_draws_what_the_torch_sampler_draws(params: SamplingParams)
     gen = torch.Generator(device="cuda").manual_seed(5)
     logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3.0
     batch = SamplingBatch.build([params] * rows, list(range(rows)), [9] * rows, vocab, "cuda")
-    got = sample_cuda(logits, batch)
+    got = SampleOutput(*sample_cuda(logits, batch))
     ref = sample_torch(logits, batch)
     same = (got.token_ids == ref.token_ids).float().mean().item()
     # Same noise, same kept set: only a threshold tie decided by rounding may differ.

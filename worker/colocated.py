@@ -6,10 +6,19 @@ from typing import Any
 
 from engine.engine import Engine, InFlight
 from engine.request import EngineRequestError
+from protocol.stages import ADMITTED
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 from worker.config import WorkerConfig
-from worker.loop import Outbox, WorkerLoop, abort_delta, engine_stats, error_delta, step_delta
+from worker.loop import (
+    Outbox,
+    WorkerLoop,
+    abort_delta,
+    engine_stats,
+    error_delta,
+    step_delta,
+    timed_overlap_step,
+)
 
 
 class ColocatedLoop(WorkerLoop):
@@ -52,6 +61,7 @@ class ColocatedLoop(WorkerLoop):
             self._fail(client, msg.rid, str(e))
             return
         self._clients[msg.rid] = client
+        self.stages.mark(msg.rid, ADMITTED)
         self._counters["prompt_tokens_total"] += len(msg.prompt_ids)
 
     def abort(self, rid: str) -> None:
@@ -66,7 +76,7 @@ class ColocatedLoop(WorkerLoop):
         out = self._outbox.take()
         if not self.engine.has_unfinished() and self._inflight is None:
             return out
-        self._inflight, results = self.engine.overlap_step(self._inflight)
+        self._inflight, results = timed_overlap_step(self.engine, self.stages, self._inflight)
         self._counters["forward_steps_total"] += 1
         for r in results:
             client = self._clients.get(r.rid)

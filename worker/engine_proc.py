@@ -265,7 +265,7 @@ class EngineServer:
             rid = _peek_rid(payload)
             log.warning("ignoring a malformed request (rid=%s): %s", rid, e)
             if rid is not None and rid not in self._owners:
-                self._send(client, [_error(rid, f"malformed request: {e}")])
+                self._send(client, [_error(rid, f"malformed request: {e}")], stamp=False)
             return
         if isinstance(msg, Abort):
             owner = self._owners.get(msg.rid)
@@ -278,11 +278,15 @@ class EngineServer:
             return
         if msg.rid in self._owners:
             self._counters["duplicate_rids_total"] += 1
-            self._send(client, [_error(msg.rid, f"request id {msg.rid!r} is already in use")])
+            # Not stamped: the stage record of this rid is the running request's.
+            error = _error(msg.rid, f"request id {msg.rid!r} is already in use")
+            self._send(client, [error], stamp=False)
             return
         self._owners[msg.rid] = client
+        now = time.monotonic()
+        self.loop.stages.open(msg.rid, now)
         if self.config.request_timeout_s > 0:
-            self._deadlines[msg.rid] = time.monotonic() + self.config.request_timeout_s
+            self._deadlines[msg.rid] = now + self.config.request_timeout_s
         try:
             self.loop.submit(msg, client)
         except Exception as e:
@@ -336,8 +340,12 @@ class EngineServer:
         except Exception:
             log.exception("loop.abort(%r) raised", rid)
 
-    def _send(self, client: bytes, deltas: list[TokenDelta]) -> None:
+    def _send(self, client: bytes, deltas: list[TokenDelta], stamp: bool = True) -> None:
+        """One frame of ``deltas`` to ``client``. ``stamp``: the deltas belong to
+        requests this server accepted (their stage records see them go)."""
         assert self.router is not None
+        if stamp and self.loop is not None:
+            deltas = self.loop.stages.on_send(deltas, time.monotonic())
         frame = to_gateway.encoder.encode(Tokens(deltas))
         try:
             self.router.send_multipart([client, frame], zmq.NOBLOCK)
@@ -360,6 +368,7 @@ class EngineServer:
                 reply.update(self.info)
             elif op == "stats":
                 reply["stats"] = self.stats()
+                reply["stages"] = self.loop.stages.histograms.snapshot()
             elif op == "server_info":
                 reply["info"] = {**self.info, "stats": self.stats()}
             elif op == "shutdown":

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from protocol import tokenizer_files
+from protocol.prometheus import HistogramFamily
 from worker.config import WorkerConfig
 from worker.engine_proc import decode_ctrl, encode_ctrl, engine_main, setup_logging
 from worker.roles import Role
@@ -234,8 +235,14 @@ def _labels(values: dict[str, Any], keys: tuple[str, ...]) -> str:
     return ",".join(f'{k}="{_label(values.get(k, ""))}"' for k in keys)
 
 
-def format_metrics(stats: dict[str, Any], info: dict[str, Any], engine_up: bool) -> str:
-    """Prometheus text exposition (format 0.0.4) of the engine's stats."""
+def format_metrics(
+    stats: dict[str, Any],
+    info: dict[str, Any],
+    engine_up: bool,
+    stages: dict[str, Any] | None = None,
+) -> str:
+    """Prometheus text exposition (format 0.0.4) of the engine's stats and, when
+    given, its stage histograms (``HistogramFamily.snapshot``)."""
     lines = [
         "# HELP worker_engine_up 1 when the engine process answers the front",
         "# TYPE worker_engine_up gauge",
@@ -258,6 +265,8 @@ def format_metrics(stats: dict[str, Any], info: dict[str, Any], engine_up: bool)
         lines.append(f"# HELP {name} {METRIC_HELP.get(key, key.replace('_', ' '))}")
         lines.append(f"# TYPE {name} {'counter' if counter else 'gauge'}")
         lines.append(f"{name} {value}")
+    if stages:
+        lines += HistogramFamily.from_snapshot(stages).render()
     return "\n".join(lines) + "\n"
 
 
@@ -320,12 +329,12 @@ def build_app(state: FrontState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         try:
-            stats = (await state.engine.ask("stats"))["stats"]
-            up = True
+            reply = await state.engine.ask("stats")
+            stats, stages, up = reply["stats"], reply.get("stages"), True
         except EngineUnavailable:
-            stats, up = {}, False
+            stats, stages, up = {}, None, False
         return PlainTextResponse(
-            format_metrics(stats, state.info, up), media_type="text/plain; version=0.0.4"
+            format_metrics(stats, state.info, up, stages), media_type="text/plain; version=0.0.4"
         )
 
     return app

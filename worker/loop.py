@@ -7,11 +7,13 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from engine.engine import Engine
+from engine.engine import Engine, InFlight
 from engine.request import StepOutput
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
+from protocol.tracing import StageSpans
 from worker.config import WorkerConfig
+from worker.stages import StageBook
 
 IDLE_WAIT_S = 0.0005
 
@@ -38,6 +40,9 @@ class WorkerLoop(ABC):
         """Build the engine for ``config`` (resolved: model path and device set).
         Raising here is a startup failure reported to the front."""
         self.config = config
+        self.stages = StageBook(config.role, StageSpans.from_env(f"{config.role} worker"))
+        """Stage records of this loop's requests; the engine server opens and
+        closes them, the loop stamps what happens inside."""
 
     @abstractmethod
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
@@ -106,6 +111,24 @@ def engine_stats(engine: Engine, role: str) -> dict[str, Any]:
         "prefix_cache_hit_tokens": cstats.hit_tokens if cstats else 0,
         "prefix_cache_query_tokens": cstats.query_tokens if cstats else 0,
     }
+
+
+def timed_overlap_step(
+    engine: Engine, stages: StageBook, inflight: InFlight | None
+) -> tuple[InFlight | None, list[StepOutput]]:
+    """``engine.overlap_step(inflight)``, stamping the stages it reaches: the
+    batch it launches started now, the one it finishes (``inflight``) ended
+    when it returns, and that batch's sampled requests got a token then."""
+    t0 = time.monotonic()
+    launched, results = engine.overlap_step(inflight)
+    t1 = time.monotonic()
+    if launched is not None:
+        stages.forward_started((r.rid for r in launched.batch.requests), t0)
+    if inflight is not None:
+        stages.forward_finished((r.rid for r in inflight.batch.requests), t1)
+    if results:
+        stages.tokens_sampled((r.rid for r in results), t1)
+    return launched, results
 
 
 def step_delta(r: StepOutput) -> TokenDelta:

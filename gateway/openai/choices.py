@@ -12,9 +12,11 @@ from typing import NamedTuple
 from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.metrics import RequestTiming
 from gateway.openai.errors import APIError, request_timeout
+from gateway.stages import RequestTrace, current_trace
 from gateway.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from protocol.client import WorkerError
 from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta
 
 TopLogprobs = list[list[tuple[int, float]]] | None
 """Per token, the most likely (token id, logprob) pairs (None: not asked for)."""
@@ -36,10 +38,14 @@ async def choice_stream(
     spec: SamplingParams,
     stops: list[str],
     request_id: str,
+    trace: RequestTrace | None = None,
 ) -> AsyncIterator[ChoiceEvent]:
-    """One completion: detokenized deltas, cut at the first stop string."""
+    """One completion: detokenized deltas, cut at the first stop string.
+    ``trace`` collects the choice's stages (the dispatcher finds it in
+    ``current_trace``, set for the task that runs this stream)."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopStringMatcher(stops) if stops else None
+    current_trace.set(trace)
     stream = dispatcher.stream(prompt, spec, request_id)
     try:
         async for delta in stream:
@@ -50,20 +56,22 @@ async def choice_stream(
                     type_="server_error",
                     code="upstream_error",
                 )
-            text = detok.push(delta.token_ids)
             finish = delta.finish_reason
-            if finish is not None:
-                text += detok.flush()
-            if matcher is not None:
-                text, hit = matcher.push(text)
-                if hit:
+            if matcher is None:
+                text = detok.push(delta.token_ids)
+                if finish is not None:
+                    text += detok.flush()
+            else:
+                text, kept = _through_stops(delta, detok, matcher)
+                if kept is not None:
+                    tops = delta.top_logprobs
                     yield ChoiceEvent(
                         text,
-                        delta.token_ids,
-                        delta.logprobs,
+                        delta.token_ids[:kept],
+                        delta.logprobs[:kept],
                         "stop",
                         delta.num_cached_tokens,
-                        delta.top_logprobs,
+                        tops[:kept] if tops is not None else None,
                     )
                     return  # leaving the stream aborts the request on the workers
                 if finish is not None:
@@ -86,6 +94,37 @@ async def choice_stream(
         ) from None
     finally:
         await stream.aclose()
+
+
+def _through_stops(
+    delta: TokenDelta, detok: IncrementalDetokenizer, matcher: StopStringMatcher
+) -> tuple[str, int | None]:
+    """The text of ``delta`` cut at a stop string, and how many of its tokens
+    the choice keeps when one was hit (None: not hit).
+
+    A delta may carry several tokens (deltas merged while the gateway was
+    busy): they go through token by token, so that the choice ends, and its
+    token ids and usage stop, at the token that completes the stop string,
+    exactly as when the tokens came one delta each."""
+    ids = delta.token_ids
+    final = delta.finish_reason is not None
+    if len(ids) <= 1:
+        text = detok.push(ids)
+        if final:
+            text += detok.flush()
+        text, hit = matcher.push(text)
+        return text, (len(ids) if hit else None)
+    parts = []
+    last = len(ids) - 1
+    for k, token in enumerate(ids):
+        piece = detok.push((token,))
+        if final and k == last:
+            piece += detok.flush()
+        piece, hit = matcher.push(piece)
+        parts.append(piece)
+        if hit:
+            return "".join(parts), k + 1
+    return "".join(parts), None
 
 
 async def merge_choices(
@@ -131,19 +170,45 @@ async def merge_choices(
                 await t
 
 
+async def _only(gen: AsyncIterator[ChoiceEvent]) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    async with contextlib.aclosing(gen):  # type: ignore[type-var]
+        async for ev in gen:
+            yield 0, ev
+
+
+def choice_events(
+    gens: list[AsyncIterator[ChoiceEvent]],
+) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    """The events of a request's choices as they arrive, each with its index.
+    One choice is read in the caller's task (no task and queue per token);
+    several are merged (``merge_choices``). Closing the result closes them."""
+    return _only(gens[0]) if len(gens) == 1 else merge_choices(gens)
+
+
 async def collect_choices(
     gens: list[AsyncIterator[ChoiceEvent]], timing: RequestTiming, timeout_s: float
 ) -> list[list[ChoiceEvent]]:
     """Every event of every choice, per choice; a 504 ``APIError`` past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    results: list[list[ChoiceEvent]] = [[] for _ in gens]
     try:
-        async with asyncio.timeout(timeout_s):
-            results: list[list[ChoiceEvent]] = [[] for _ in gens]
-            async for i, ev in merge_choices(gens):
+        async with contextlib.aclosing(choice_events(gens)) as events:
+            async for i, ev in until(events, deadline):
                 timing.observe(i, len(ev.token_ids))
                 results[i].append(ev)
     except TimeoutError:
         raise request_timeout(timeout_s) from None
     return results
+
+
+class _Deadline:
+    """When the deadline passed, and whether the task is waiting for an event."""
+
+    __slots__ = ("expired", "waiting")
+
+    def __init__(self) -> None:
+        self.expired = False
+        self.waiting = False
 
 
 async def until(
@@ -152,17 +217,50 @@ async def until(
     """``events`` until the monotonic ``deadline``, then ``TimeoutError``.
 
     Invariant: the deadline only ever interrupts the wait for the next event.
-    An ``asyncio.timeout`` around a loop that yields would also fire while the
-    consumer (the response writer) holds control, cancelling it instead of us:
-    the stream would then end without its error event and ``[DONE]``."""
+    A timeout around a loop that yields would also fire while the consumer
+    (the response writer) holds control, cancelling it instead of us: the
+    stream would then end without its error event and ``[DONE]``. One timer
+    serves the whole stream: when it fires during a wait it cancels the task
+    (as ``asyncio.timeout`` does), otherwise the next wait does not begin.
+
+    Invariant: a cancelled task stops reading at the next event even when a
+    source below lost the cancellation (a stream that catches it and yields
+    on): the events are read in the caller's task, and a client that left
+    must still close its requests at once."""
+    task = asyncio.current_task()
+    assert task is not None
+    state = _Deadline()
+
+    def fire() -> None:
+        state.expired = True
+        if state.waiting:
+            task.cancel()
+
+    cancelling = task.cancelling()
+    timer = asyncio.get_running_loop().call_at(_loop_time(deadline), fire)
     it = aiter(events)
-    while True:
-        try:
-            async with asyncio.timeout_at(_loop_time(deadline)):
+    try:
+        while True:
+            if state.expired:
+                raise TimeoutError
+            state.waiting = True
+            try:
                 item = await anext(it)
-        except StopAsyncIteration:
-            return
-        yield item
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if state.expired and task.uncancel() <= cancelling:
+                    raise TimeoutError from None
+                raise
+            finally:
+                state.waiting = False
+            if task.cancelling() > cancelling:  # a cancel was lost below us
+                if state.expired and task.uncancel() <= cancelling:
+                    raise TimeoutError
+                raise asyncio.CancelledError
+            yield item
+    finally:
+        timer.cancel()
 
 
 def _loop_time(monotonic_deadline: float) -> float:

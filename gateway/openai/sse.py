@@ -8,14 +8,17 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from gateway.metrics import GatewayMetrics, RequestTiming
-from gateway.openai.choices import ChoiceEvent, join_events, merge_choices, until
+from gateway.openai.choices import ChoiceEvent, choice_events, join_events, until
 from gateway.openai.errors import APIError, request_timeout
 from gateway.openai.responses import ResponseContext, now, usage
+from gateway.stages import RequestTrace
+from protocol.stages import FIRST_BYTE_WRITTEN
 
 DONE = "data: [DONE]\n\n"
 
@@ -55,15 +58,37 @@ class _ChoiceProgress:
     prompt_sent: bool = False
 
 
+_TEXT_SLOT = "\x00text\x00"
+"""Stands for a chunk's text while its template is made (JSON-escaped, so it
+cannot collide with the rest of the chunk)."""
+
+
 class StreamWriter:
     """The chunks of one streamed response; with ``include_usage`` every chunk
-    carries a ``usage`` (null but in the last one)."""
+    carries a ``usage`` (null but in the last one).
+
+    The common chunk (text only: no logprobs, token ids or finish reason) is
+    its choice's template around the JSON string of the text: the template is
+    that chunk as ``chunk`` writes it, cut at the text, so both ways give the
+    same bytes; only the text is encoded per token."""
 
     def __init__(self, ctx: ResponseContext, include_usage: bool) -> None:
         self.ctx = ctx
         self.include_usage = include_usage
         self.created = now()
         self.choices = [_ChoiceProgress() for _ in ctx.choice_prompts]
+        self._plain = ctx.shape.top_k is None and not ctx.return_token_ids
+        """Whether a chunk can be text alone (else every chunk has more)."""
+        self._templates: dict[int, tuple[str, str]] = {}
+
+    def _template(self, i: int) -> tuple[str, str]:
+        """(before, after) the JSON string of the text in choice ``i``'s chunks."""
+        tpl = self._templates.get(i)
+        if tpl is None:
+            whole = self.chunk([self.ctx.shape.chunk_choice(i, _TEXT_SLOT, None, None)])
+            before, _, after = whole.partition(json.dumps(_TEXT_SLOT, ensure_ascii=False))
+            tpl = self._templates[i] = (before, after)
+        return tpl
 
     def chunk(
         self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, **extra: Any
@@ -95,6 +120,9 @@ class StreamWriter:
         progress.tokens += len(ev.token_ids)
         if ctx.reports_cache(i):
             progress.cached = max(progress.cached, ev.cached_tokens)
+        if self._plain and ev.text and ev.finish_reason is None and not progress.held:
+            before, after = self._template(i)
+            return before + encode_basestring(ev.text) + after
         # Invariant: a choice's streamed token_ids (and logprobs) add up to all
         # of its tokens. A token whose text is still held back (half a UTF-8
         # character, a possible stop-string prefix) sends no chunk of its own,
@@ -130,28 +158,41 @@ async def sse_stream(
     metrics: GatewayMetrics,
     timeout_s: float,
     started: float,
+    traces: list[RequestTrace] | None = None,
 ) -> AsyncIterator[str]:
     """The response's events: its chunks, then an error event if it failed
-    (the OpenAI error body), then ``[DONE]``."""
+    (the OpenAI error body), then ``[DONE]``. ``traces``: one per choice,
+    stamped when the choice's first chunk with text is written and finished
+    when the stream ends."""
     writer = StreamWriter(ctx, include_usage)
     timing = RequestTiming(metrics, len(gens), started)
+    unwritten = set(range(len(gens))) if traces else set()
+    """Choices whose first chunk with text is not written yet."""
+    ok = False
     for chunk in writer.opening():
         yield chunk
     try:
         # aclosing: leaving this generator (the client went away) must close the
         # merge at once, which cancels the choices and aborts their requests.
-        async with contextlib.aclosing(merge_choices(gens)) as merged:
+        async with contextlib.aclosing(choice_events(gens)) as merged:
             async for i, ev in until(merged, started + timeout_s):
                 timing.observe(i, len(ev.token_ids))
                 chunk = writer.event(i, ev)
                 if chunk is not None:
                     yield chunk
+                    if unwritten and i in unwritten and ev.text:
+                        unwritten.discard(i)
+                        traces[i].mark(FIRST_BYTE_WRITTEN)  # type: ignore[index]
     except (TimeoutError, APIError) as e:
         error = e if isinstance(e, APIError) else request_timeout(timeout_s)
         metrics.failures.inc(error.code or str(error.status))
         yield error_event(error)
     else:
+        ok = True
         metrics.e2e.observe(time.monotonic() - started)
         if include_usage:
             yield writer.usage_chunk()
+    finally:
+        for trace in traces or ():
+            metrics.stages.finish(trace, ok)
     yield DONE

@@ -61,6 +61,16 @@ class IncrementalDetokenizer:
         if token_id in self._hidden_ids:
             return ""
         ids = self._ids
+        if len(ids) == self._read and not self._prefix_text.endswith(_REPLACEMENT_CHAR):
+            # Fast path: nothing pending and the emitted text ends on a character
+            # boundary, so a token that stands alone appends its own text; the
+            # window then holds just that token, as the general path leaves it.
+            text = self._tok.standalone_text(token_id)
+            if text is not None:
+                self._ids = [token_id]
+                self._read = 1
+                self._prefix_text = text
+                return text
         ids.append(token_id)
         if token_id in self._byte_ids:
             return ""  # an open byte-fallback run can still change (it is decoded as a group)

@@ -201,6 +201,14 @@ class Tokenizer:
                 i for t, i in vocab.items() if len(t) == 6 and _BYTE_TOKEN_RE.fullmatch(t)
             )
         self._byte_level = _decoder_has(decoder_cfg, "ByteLevel")
+        # A decoder that is ByteLevel alone turns a token sequence into the UTF-8
+        # decode of its bytes: text that ends on a character boundary, followed
+        # by a token whose bytes are whole characters, decodes to the two texts
+        # joined (what the stream detokenizer's fast path relies on).
+        self._plain_byte_level = (
+            isinstance(decoder_cfg, Mapping) and decoder_cfg.get("type") == "ByteLevel"
+        )
+        self._standalone: dict[int, str | None] = {}
         self._added_ids: frozenset[int] | None = None
         self._special_ids: frozenset[int] = frozenset(
             i for i, t in self._backend.get_added_tokens_decoder().items() if t.special
@@ -316,6 +324,36 @@ class Tokenizer:
         return self.decode([token_id]).encode()
 
     # ---- facts for stream decoding ---------------------------------------------------------
+
+    def standalone_text(self, token_id: int) -> str | None:
+        """The text of ``token_id`` when it does not depend on its neighbours: a
+        token of a plain byte-level decoder (not an added token) whose bytes are
+        whole UTF-8 characters. Decoding such a token after ids whose text ends
+        on a character boundary appends exactly this text. None for any other
+        token, and for every token of other decoders."""
+        if not self._plain_byte_level:
+            return None
+        text = self._standalone.get(token_id, "")
+        if text == "":
+            text = self._standalone[token_id] = self._compute_standalone(token_id)
+        return text
+
+    def _compute_standalone(self, token_id: int) -> str | None:
+        if self._added_ids is None:
+            self._added_ids = frozenset(self._backend.get_added_tokens_decoder())
+        piece = self._backend.id_to_token(token_id)
+        if piece is None or token_id in self._added_ids:
+            return None
+        if not all(c in _UNICODE_TO_BYTE for c in piece):
+            return None
+        try:
+            text = bytes(_UNICODE_TO_BYTE[c] for c in piece).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        # Checked against the backend once per id: the table is only ever a cache.
+        if not text or self._backend.decode([token_id], skip_special_tokens=False) != text:
+            return None
+        return text
 
     @property
     def byte_fallback_ids(self) -> frozenset[int]:
