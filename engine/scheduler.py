@@ -58,6 +58,8 @@ class Scheduler:
         self.running: list[Request] = []
         """Admitted requests (they hold pages), oldest first."""
         self.num_retracted = 0
+        self._retracted_now: set[int] = set()
+        """Requests retracted during the schedule being built (skipped by it)."""
         self.starved = False
         """The last overlapped ``schedule`` left a request without pages."""
 
@@ -116,6 +118,7 @@ class Scheduler:
         that cannot get pages is skipped and ``starved`` is set, so the caller
         runs one step without overlap."""
         self.starved = False
+        self._retracted_now: set[int] = set()
         budget = self.config.max_num_batched_tokens
         chunk = self.config.effective_chunk_size
         chosen: list[tuple[Request, int]] = []
@@ -126,7 +129,7 @@ class Scheduler:
         for req in order:
             if budget == 0:
                 break
-            if req not in self.running:  # retracted to make room for an older one
+            if id(req) in self._retracted_now:  # made room for an older one
                 continue
             if req.will_finish:
                 continue
@@ -173,6 +176,8 @@ class Scheduler:
         unreferenced cache pages, then (if ``taken`` is given) retract the newest
         running requests not yet in this batch, ``req`` itself last."""
         need = _ceil_div(self._reserve_target(req, n), self.page_size) - len(req.page_table)
+        if need <= 0:  # most decode steps: the last page has room
+            return True
         while True:
             pages = self._alloc(need)
             if pages is not None:
@@ -199,6 +204,7 @@ class Scheduler:
         return pages
 
     def _retract(self, req: Request) -> None:
+        self._retracted_now.add(id(req))
         self.running.remove(req)
         self._release(req)
         self.waiting.appendleft(req)
