@@ -1,0 +1,285 @@
+"""Where the time to first token goes, stage by stage, at concurrency 1.
+
+    python -m gateway &      # or any gateway in front of workers
+    python benchmarks/bench_ttft_stages.py --base-url http://127.0.0.1:8000 \
+        --lengths 16 1024 4096 --cached-prefix 4096 --cached-new 128 --requests 8
+
+For each case (a prompt of N random token ids; a cached prefix of P tokens
+followed by M new ones) the script sends ``--requests`` streamed completions
+one after another and reports the client's TTFT (request written to the first
+chunk with text, read by a lean client that timestamps bytes as they arrive)
+next to the mean of every stage the gateway measured for those requests
+(``gateway_stage_seconds``) and of every stage the workers reported
+(``gateway_worker_stage_seconds``), read as differences of the gateway's
+``/metrics`` before and after the case. Cases longer than the model's context
+are skipped. Writes a JSON record to ``--output-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_commit, host_info  # noqa: E402
+from benchmarks.http_stream import StreamClient, sse_lines  # noqa: E402
+
+_SAMPLE = re.compile(r"^(gateway_(?:worker_)?stage_seconds)_(sum|count)\{([^}]*)\} (\S+)$")
+
+
+class Case(NamedTuple):
+    name: str
+    prefix_len: int
+    """Tokens shared by every request of the case (sent once first, to be cached)."""
+    new_len: int
+    """Tokens of each request after the prefix (fresh every request)."""
+
+
+def stage_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """``{"gateway:stage" or "<role>:stage": (sum_s, count)}`` from /metrics."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        metric, kind, labels, value = m.groups()
+        tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        who = "gateway" if metric == "gateway_stage_seconds" else tags.get("role", "worker")
+        key = f"{who}:{tags.get('stage', '?')}"
+        out[key][0 if kind == "sum" else 1] += float(value)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def stage_means_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean of each stage over the requests between two snapshots, in ms."""
+    means = {}
+    for key, (s1, c1) in after.items():
+        s0, c0 = before.get(key, (0.0, 0.0))
+        if c1 > c0:
+            means[key] = (s1 - s0) / (c1 - c0) * 1e3
+    return means
+
+
+def random_ids(n: int, rng: random.Random, low: int, high: int) -> list[int]:
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+async def timed_request(client: StreamClient, body: dict[str, Any]) -> float:
+    """Seconds from writing the request to the first chunk that carries text."""
+    request = client.request_bytes("/v1/completions", json.dumps(body).encode())
+    t0 = time.perf_counter()
+    resp = await client.post(request)
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.body[:300]!r}")
+    for t, line in sse_lines(resp):
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        if any(c.get("text") for c in chunk.get("choices", [])):
+            return t - t0
+    raise RuntimeError("the stream carried no text")
+
+
+async def run_case(
+    args: argparse.Namespace, model: str, case: Case, rng: random.Random
+) -> dict[str, Any]:
+    client = StreamClient(args.base_url, timeout_s=args.timeout_s)
+    prefix = random_ids(case.prefix_len, rng, args.min_token_id, args.max_token_id)
+
+    def body(ids: list[int]) -> dict[str, Any]:
+        return {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+        }
+
+    # Warm-up (and, with a prefix, what puts the prefix into the cache).
+    fresh = random_ids(case.new_len, rng, args.min_token_id, args.max_token_id)
+    await timed_request(client, body(prefix + fresh))
+    async with httpx.AsyncClient(timeout=30) as http:
+        before = stage_totals((await http.get(f"{args.base_url}/metrics")).text)
+        ttfts = []
+        for _ in range(args.requests):
+            fresh = random_ids(case.new_len, rng, args.min_token_id, args.max_token_id)
+            ttfts.append(await timed_request(client, body(prefix + fresh)) * 1e3)
+            await asyncio.sleep(args.gap_s)
+        after = stage_totals((await http.get(f"{args.base_url}/metrics")).text)
+    await client.aclose()
+    return {
+        "case": case.name,
+        "prefix_len": case.prefix_len,
+        "new_len": case.new_len,
+        "requests": args.requests,
+        "ttft_ms_median": statistics.median(ttfts),
+        "ttft_ms_min": min(ttfts),
+        "ttft_ms_max": max(ttfts),
+        "stage_ms_mean": stage_means_ms(before, after),
+    }
+
+
+def cases(args: argparse.Namespace, max_len: int | None) -> list[Case]:
+    out = [Case(f"{n} tokens", 0, n) for n in args.lengths]
+    if args.cached_prefix:
+        out.append(
+            Case(
+                f"{args.cached_prefix} cached + {args.cached_new}",
+                args.cached_prefix,
+                args.cached_new,
+            )
+        )
+    limit = None if max_len is None else max_len - args.max_tokens
+    kept = [c for c in out if limit is None or c.prefix_len + c.new_len <= limit]
+    for c in out:
+        if c not in kept:
+            print(f"skipping {c.name}: longer than the context ({max_len})", file=sys.stderr)
+    return kept
+
+
+STAGE_COLUMNS = (
+    "gateway:tokenize",
+    "gateway:route",
+    "gateway:dispatch_to_first_token",
+    "gateway:first_token_to_first_byte",
+    "gateway:time_to_first_byte",
+)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    worker_keys = sorted(
+        {k for r in rows for k in r["stage_ms_mean"] if not k.startswith("gateway:")}
+    )
+    worker_keys = [k for k in worker_keys if not k.endswith((":total",))]
+    cols = [*STAGE_COLUMNS, *worker_keys]
+    print(
+        f"{'case':>20} {'TTFT p50':>9} " + " ".join(f"{c.split(':', 1)[1][:14]:>14}" for c in cols)
+    )
+    print(f"{'':>20} {'(client)':>9} " + " ".join(f"{c.split(':', 1)[0][:14]:>14}" for c in cols))
+    for r in rows:
+        vals = " ".join(f"{r['stage_ms_mean'].get(c, float('nan')):>14.2f}" for c in cols)
+        print(f"{r['case']:>20} {r['ttft_ms_median']:>9.2f} {vals}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="gateway (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        nargs="*",
+        default=[16, 1024, 4096],
+        help="prompt lengths in tokens (default: 16 1024 4096)",
+    )
+    ap.add_argument(
+        "--cached-prefix",
+        type=int,
+        default=4096,
+        help="cached prefix of the last case; 0 skips it (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--cached-new",
+        type=int,
+        default=128,
+        help="new tokens after the cached prefix (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--requests", type=int, default=8, help="timed requests per case (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=2,
+        help="tokens generated per request (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--gap-s", type=float, default=0.05, help="pause between requests (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--min-token-id",
+        type=int,
+        default=3,
+        help="smallest random prompt token id (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-token-id",
+        type=int,
+        default=500,
+        help="one past the largest (default: %(default)s; within every model's vocabulary here)",
+    )
+    ap.add_argument(
+        "--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--timeout-s", type=float, default=120.0, help="per request (default: %(default)s)"
+    )
+    ap.add_argument("--label", default="", help="free text stored in the record")
+    ap.add_argument(
+        "--output-file",
+        default=None,
+        help="JSON record (default: benchmarks/results/ttft-stages-<date>.json)",
+    )
+    return ap
+
+
+async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=30) as http:
+        data = (await http.get(f"{args.base_url}/v1/models")).raise_for_status().json()["data"][0]
+    rng = random.Random(args.seed)
+    rows = []
+    for case in cases(args, data.get("max_model_len")):
+        rows.append(await run_case(args, data["id"], case, rng))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    args.base_url = args.base_url.rstrip("/")
+    rows = asyncio.run(amain(args))
+    print_table(rows)
+    now = datetime.now(UTC)
+    record = {
+        "benchmark": "ttft_stages",
+        "date": now.isoformat(timespec="seconds"),
+        "label": args.label,
+        "command": " ".join(
+            ["bench_ttft_stages.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "git_commit": git_commit(),
+        "machine": host_info(),
+        "results": rows,
+    }
+    out = Path(
+        args.output_file
+        or Path(__file__).parent / "results" / f"ttft-stages-{now:%Y%m%d-%H%M%S}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
