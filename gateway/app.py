@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.config import GatewayConfig
 from gateway.metrics import RequestTiming
@@ -29,25 +32,43 @@ from gateway.openai import (
     ResponseShape,
     check_choices,
     check_lengths,
+    check_seed,
+    check_token_ids,
     choice_seed,
     choice_stream,
     collect_choices,
     completion_prompts,
     full_response,
+    internal_error,
+    requested_max_tokens,
     sampling_params,
     sse_stream,
     stop_strings,
 )
-from gateway.routing import WorkerError
+from gateway.routing import WorkerError, normalize_url
 from gateway.stages import RequestTrace
 from gateway.state import GatewayState
+from protocol.roles import ROLES
 
 RECEIVED_AT = "received_at"
 """Key in the request's ``state`` of when the request came in (monotonic)."""
 
+log = logging.getLogger("gateway.app")
+
+_PARAM_SOURCES = ("body", "query", "path", "header", "cookie")
+"""First element of a validation error's ``loc``: where the value came from."""
+
+_UNION_FIELDS = {
+    "prompt": "a string, a list of strings, token ids (integers) or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+}
+"""What fields of several types take: pydantic's error names only one of them."""
+
 
 def build_app(state: GatewayState) -> FastAPI:
     app = FastAPI(title="disagg-serve gateway", lifespan=_lifespan(state))
+    # Before any route is added: every route is a _GuardedRoute.
+    app.router.route_class = _GuardedRoute
     _add_error_handlers(app, state)
     app.add_middleware(Guards, config=state.config)
     _add_status_routes(app, state)
@@ -84,13 +105,64 @@ def _add_error_handlers(app: FastAPI, state: GatewayState) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        return APIError(
-            400,
-            f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}",
-            param=loc[0] if loc else None,
-        ).response()
+        errors = e.errors()
+        return _validation_error(errors[0] if errors else {}).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _http_error(request, e).response()
+
+
+def _validation_error(err: dict[str, Any]) -> APIError:
+    """The 400 of a request that failed validation (pydantic's first error)."""
+    loc = list(err.get("loc", ()))
+    if loc and loc[0] in _PARAM_SOURCES:
+        loc = loc[1:]
+    if err.get("type") == "json_invalid":
+        # FastAPI puts the character offset where a field name goes.
+        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        reason = (err.get("ctx") or {}).get("error") or "invalid JSON"
+        return APIError(400, f"the request body is not valid JSON{where}: {reason}")
+    param = loc[0] if loc and isinstance(loc[0], str) else None
+    message = f"{'.'.join(str(x) for x in loc) or 'body'}: {err.get('msg', 'invalid')}"
+    if param in _UNION_FIELDS:
+        message = f"{param} must be {_UNION_FIELDS[param]} ({message})"
+    return APIError(400, message, param=param)
+
+
+def _http_error(request: Request, e: StarletteHTTPException) -> APIError:
+    """An HTTP error raised by the framework (no such route, method not
+    allowed, an unreadable body) in the OpenAI error body."""
+    status, detail = e.status_code, str(e.detail)
+    if status == 404 and detail == "Not Found":
+        detail = f"no endpoint {request.method} {request.url.path}"
+    elif status == 405 and detail == "Method Not Allowed":
+        detail = f"{request.method} is not allowed on {request.url.path}"
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return APIError(status, detail, type_, headers=dict(e.headers or {}))
+
+
+class _GuardedRoute(APIRoute):
+    """A route whose unexpected exceptions are a 500 in the OpenAI error body.
+
+    Starlette's last resort answers such an exception with a plain-text 500
+    and raises it on into the server, which then drops the connection: the
+    client's next request on it fails too. Here it is logged and answered like
+    any other error, and the connection stays open."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, RequestValidationError, StarletteHTTPException):
+                raise  # answered by their exception handlers
+            except Exception as e:
+                log.exception("%s %s failed", request.method, request.url.path)
+                raise internal_error(e) from e
+
+        return guarded
 
 
 class Guards:
@@ -202,9 +274,16 @@ def _add_admin_routes(app: FastAPI, state: GatewayState) -> None:
         url = body.get("url")
         if not isinstance(url, str):
             raise APIError(400, "body must carry the worker's url", param="url")
+        url = _worker_url(url)
+        role = body.get("role")
+        if role is not None and (not isinstance(role, str) or role not in ROLES):
+            raise APIError(
+                400, f"unknown worker role {role!r}; choose from {', '.join(ROLES)}", param="role"
+            )
         try:
-            w = await state.admin.add_worker(url, body.get("role"))
-        except WorkerError as e:
+            w = await state.admin.add_worker(url, role)
+        except (WorkerError, ValueError) as e:
+            # ValueError: the worker's /server_info does not fit its pool.
             raise APIError(400, str(e), param="url") from None
         if state.tokenizer is None:
             await state.load_model_facts()
@@ -212,6 +291,7 @@ def _add_admin_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.delete("/admin/workers")
     async def remove_worker(url: str) -> Any:
+        url = _worker_url(url)
         w = await state.admin.remove_worker(url)
         if w is None:
             raise APIError(404, f"no worker {url}", param="url", code="not_found")
@@ -220,12 +300,20 @@ def _add_admin_routes(app: FastAPI, state: GatewayState) -> None:
         return {"removed": url, "draining": True, "outstanding_requests": w.outstanding_requests}
 
 
+def _worker_url(url: str) -> str:
+    """``url`` normalized, or a 400 naming ``url``."""
+    try:
+        return normalize_url(url)
+    except ValueError as e:
+        raise APIError(400, str(e), param="url") from None
+
+
 def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         _check_model(state, req.model)
         assert state.tokenizer is not None
-        prompts = completion_prompts(req.prompt, state.tokenizer)
+        prompts = completion_prompts(req.prompt, state.tokenizer, state.vocab_size)
         return await _generate(state, req, prompts, CompletionShape, _received(request))
 
     @app.post("/v1/chat/completions")
@@ -270,11 +358,11 @@ async def _generate(
     cfg, tokenizer = state.config, state.tokenizer
     assert tokenizer is not None
     check_choices(req.n)
+    check_seed(req.seed)
+    check_token_ids(req.stop_token_ids or [], state.vocab_size, "stop_token_ids")
     shape = shape_type.for_request(req, tokenizer)
     stops = stop_strings(req.stop)
-    requested = (
-        getattr(req, "max_completion_tokens", None) or req.max_tokens or shape.default_max_tokens
-    )
+    requested, max_tokens_param = requested_max_tokens(req, shape.default_max_tokens)
     choice_prompts, specs = [], []
     for ids in prompts:
         max_tokens = check_lengths(
@@ -283,6 +371,7 @@ async def _generate(
             shape.prompt_param,
             context_length=state.context_length,
             max_prompt_tokens=cfg.max_prompt_tokens,
+            max_tokens_param=max_tokens_param,
         )
         for i in range(req.n):
             choice_prompts.append(ids)

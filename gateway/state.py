@@ -25,6 +25,8 @@ class GatewayState:
     tokenizer: Tokenizer | None = None
     model_name: str = ""
     context_length: int = 0
+    worker_vocab_size: int | None = None
+    """Rows of the model's embedding, where a worker's /server_info tells."""
     admin: WorkerAdmin = field(init=False)
     """Adds and removes workers over the health checker's HTTP client."""
 
@@ -43,3 +45,15 @@ class GatewayState:
         self.tokenizer = Tokenizer.from_files(tokenizer_files.unpack(body))
         self.model_name = self.config.served_model_name or info.get("served_model_name") or "model"
         self.context_length = int(info.get("context_length") or self.tokenizer.model_max_length)
+        vocab = info.get("vocab_size")
+        self.worker_vocab_size = vocab if type(vocab) is int and vocab > 0 else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may carry are in [0, this): ids the tokenizer
+        knows and, where the worker tells, the model can embed (a model's
+        embedding may have fewer rows than its tokenizer has tokens, or more:
+        padding rows no text maps to)."""
+        assert self.tokenizer is not None
+        vocab = self.tokenizer.vocab_size
+        return vocab if self.worker_vocab_size is None else min(vocab, self.worker_vocab_size)

@@ -13,6 +13,9 @@ import math
 import msgspec
 
 MAX_TOP_LOGPROBS = 20
+WIRE_INT_MAX = (1 << 64) - 1
+"""Largest integer the request plane carries (msgpack's uint64): a larger one
+cannot be encoded, so it is refused here, where the value is made."""
 
 
 class InvalidSamplingParams(ValueError):
@@ -43,6 +46,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         msgspec.structs.force_setattr(
             self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids)
         )
+        for name in ("max_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if _integer(value) and value > WIRE_INT_MAX:
+                raise InvalidSamplingParams(name, f"must be at most {WIRE_INT_MAX}, got {value}")
         if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise InvalidSamplingParams(
                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}"
@@ -65,8 +72,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise InvalidSamplingParams(
                 "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
             )
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidSamplingParams("stop_token_ids", "token ids must be >= 0")
+        if any(not 0 <= t <= WIRE_INT_MAX for t in self.stop_token_ids):
+            raise InvalidSamplingParams(
+                "stop_token_ids", f"token ids must be in [0, {WIRE_INT_MAX}]"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -32,6 +32,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from raw_http import RawRequest, exchange
 from workers import (
     REPO,
     Worker,
@@ -1139,6 +1140,33 @@ def test_body_limit(gw: Gateway) -> None:
     )
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 2
+    assert_drained(gw)
+
+
+def test_bad_values_are_400s_on_a_kept_connection(gw: Gateway, offline: Offline) -> None:
+    """Values the request plane cannot carry or the engine cannot take are
+    refused before anything reaches the workers, and the HTTP/1.1 connection
+    stays usable: the good request after them, on the same connection, is
+    served by the real workers."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    good = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+    bad = [
+        ({"stop_token_ids": [10**20]}, "stop_token_ids"),
+        ({"top_k": 2**64}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt": [[False]]}, "prompt"),
+    ]
+    host, port = gw.url.removeprefix("http://").split(":")
+    requests = [RawRequest.post_json("/v1/completions", {**good, **f}, auth) for f, _ in bad]
+    requests.append(RawRequest.post_json("/v1/completions", good, auth))
+    *refused, served = exchange(host, int(port), requests)
+    for resp, (fields, param) in zip(refused, bad):
+        assert resp.status == 400, (fields, resp.body)
+        assert resp.json()["error"]["param"] == param, resp.body
+    assert served.status == 200, served.body
+    want = offline.greedy([offline.encode(PROMPTS[0])], 3)[0]
+    assert served.json()["choices"][0]["text"] == offline.decode(want.token_ids)
     assert_drained(gw)
 
 

@@ -12,7 +12,7 @@ completions endpoints, whole or streamed.
 """
 
 from gateway.openai.choices import ChoiceEvent, choice_stream, collect_choices, merge_choices
-from gateway.openai.errors import APIError, request_timeout
+from gateway.openai.errors import APIError, internal_error, request_timeout
 from gateway.openai.requests import (
     ChatCompletionRequest,
     ChatMessage,
@@ -33,8 +33,11 @@ from gateway.openai.sse import ClosingStreamingResponse, StreamWriter, sse_strea
 from gateway.openai.validation import (
     check_choices,
     check_lengths,
+    check_seed,
+    check_token_ids,
     choice_seed,
     completion_prompts,
+    requested_max_tokens,
     sampling_params,
     stop_strings,
 )
@@ -57,14 +60,18 @@ __all__ = [
     "StreamWriter",
     "check_choices",
     "check_lengths",
+    "check_seed",
+    "check_token_ids",
     "choice_seed",
     "choice_stream",
     "collect_choices",
     "completion_prompts",
     "full_response",
+    "internal_error",
     "merge_choices",
     "now",
     "request_timeout",
+    "requested_max_tokens",
     "sampling_params",
     "sse_stream",
     "stop_strings",

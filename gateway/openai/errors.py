@@ -16,6 +16,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -25,6 +26,8 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = headers
+        """Extra response headers (``Allow`` of a 405)."""
 
     def body(self) -> dict[str, Any]:
         return {
@@ -37,7 +40,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def request_timeout(timeout_s: float) -> APIError:
@@ -47,4 +50,15 @@ def request_timeout(timeout_s: float) -> APIError:
         f"request did not finish within {timeout_s:g}s",
         type_="server_error",
         code="timeout",
+    )
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """A failure the gateway did not expect (a bug, not the client's fault).
+    Only the exception's type is told: its text may hold internals."""
+    return APIError(
+        500,
+        f"the gateway failed on this request ({type(exc).__name__}); its log has the details",
+        type_="server_error",
+        code="internal_error",
     )

@@ -9,11 +9,16 @@ from pydantic import BaseModel, ConfigDict
 Prompt = str | list[str] | list[int] | list[list[int]]
 """A completions prompt: text, texts, token ids, or lists of token ids."""
 
+_STRICT = ConfigDict(strict=True)
+"""Fields take their own JSON type only: an integer field no boolean
+(``true`` is not token id 1), float (``1.5``, ``2.0``) or string; a boolean
+field no number or string. A float field still takes an integer."""
+
 
 class _Request(BaseModel):
     # Unknown fields are accepted and ignored, as the OpenAI API does for
     # forward compatibility of clients.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_STRICT)
 
     model: str
     max_tokens: int | None = None
@@ -34,11 +39,13 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_STRICT)
 
     role: str
     content: str | list[dict[str, Any]] | None = None

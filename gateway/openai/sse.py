@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -15,12 +16,14 @@ from fastapi.responses import StreamingResponse
 
 from gateway.metrics import GatewayMetrics, RequestTiming
 from gateway.openai.choices import ChoiceEvent, choice_events, join_events, until
-from gateway.openai.errors import APIError, request_timeout
+from gateway.openai.errors import APIError, internal_error, request_timeout
 from gateway.openai.responses import ResponseContext, now, usage
 from gateway.stages import RequestTrace
 from protocol.stages import FIRST_BYTE_WRITTEN
 
 DONE = "data: [DONE]\n\n"
+
+log = logging.getLogger("gateway.sse")
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -183,8 +186,17 @@ async def sse_stream(
                     if unwritten and i in unwritten and ev.text:
                         unwritten.discard(i)
                         traces[i].mark(FIRST_BYTE_WRITTEN)  # type: ignore[index]
-    except (TimeoutError, APIError) as e:
-        error = e if isinstance(e, APIError) else request_timeout(timeout_s)
+    except Exception as e:
+        # The response is already out (200): a failure ends it with an error
+        # event and [DONE], so the client reads a clean end and the connection
+        # stays usable; only a failure the gateway did not expect is logged.
+        if isinstance(e, APIError):
+            error = e
+        elif isinstance(e, TimeoutError):
+            error = request_timeout(timeout_s)
+        else:
+            log.exception("stream %s failed", ctx.rid)
+            error = internal_error(e)
         metrics.failures.inc(error.code or str(error.status))
         yield error_event(error)
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from gateway.routing.breaker import CircuitBreaker
 from protocol.roles import BOTH, DECODE, PREFILL, ROLES
@@ -100,12 +101,39 @@ class WorkerInfo:
 
 
 def normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if not url:
+    """``url`` without surrounding blanks and trailing slashes, ``http://``
+    added when it names no scheme; ``ValueError`` if it is no http(s) URL of a
+    host (checked here so that a bad URL is refused where it comes in, not
+    when a request to it fails)."""
+    url = url.strip()
+    if not url.rstrip("/"):
         raise ValueError("empty worker URL")
     if "://" not in url:
         url = f"http://{url}"
+    url = url.rstrip("/")
+    problem = _url_problem(url)
+    if problem is not None:
+        raise ValueError(f"invalid worker URL {url!r}: {problem}")
     return url
+
+
+def _url_problem(url: str) -> str | None:
+    """What makes ``url`` no http(s) URL of a host (None: nothing)."""
+    # urlsplit silently drops tabs and newlines: look at the text first.
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "it contains blanks or control characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError unless a number in [0, 65535]
+    except ValueError as e:
+        return str(e)
+    if parts.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    if not parts.hostname:
+        return "it names no host"
+    if port == 0:
+        return "port 0"
+    return None
 
 
 class WorkerPool:
@@ -166,7 +194,12 @@ class WorkerPool:
         return [w for w in self._workers.values() if include_draining or not w.draining]
 
     def __contains__(self, url: object) -> bool:
-        return isinstance(url, str) and normalize_url(url) in self._workers
+        if not isinstance(url, str):
+            return False
+        try:
+            return normalize_url(url) in self._workers
+        except ValueError:  # no worker has an invalid URL
+            return False
 
     def __len__(self) -> int:
         return len(self._workers)
