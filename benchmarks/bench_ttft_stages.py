@@ -34,6 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_serving import fetch_model  # noqa: E402
 from benchmarks.common import git_commit, host_info  # noqa: E402
 from benchmarks.http_stream import StreamClient, sse_lines  # noqa: E402
 
@@ -245,12 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=30) as http:
-        data = (await http.get(f"{args.base_url}/v1/models")).raise_for_status().json()["data"][0]
+    model, max_len = fetch_model(args.base_url, None)
     rng = random.Random(args.seed)
     rows = []
-    for case in cases(args, data.get("max_model_len")):
-        rows.append(await run_case(args, data["id"], case, rng))
+    for case in cases(args, max_len):
+        rows.append(await run_case(args, model, case, rng))
     return rows
 
 
