@@ -22,6 +22,15 @@ from engine.sampling import SamplingBatch, sample
 from engine.weights import init_dummy_weights, iter_safetensors
 
 
+class HostValues(NamedTuple):
+    """A forward's sampled values as Python lists."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
 class ForwardOutput(NamedTuple):
     token_ids: torch.Tensor
     """``[num_sampled]`` next token of each request that asked for logits."""
@@ -30,6 +39,39 @@ class ForwardOutput(NamedTuple):
     top_ids: torch.Tensor | None = None
     """``[num_sampled, k]`` most likely tokens, when some request asked for them."""
     top_logprobs: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+    """On CUDA: recorded after the copies of the fields above into ``host``
+    were queued, right behind the sampling. Reading the results waits for this
+    event, not for the stream: with the overlap loop the next forward is
+    already queued behind it, and a plain ``tolist()`` would wait for that one
+    too, leaving the device idle while the host then processes and schedules."""
+    host: tuple[torch.Tensor | None, ...] | None = None
+
+    def to_host(self) -> HostValues:
+        """The values as lists (waits until the device has produced them)."""
+        if self.token_ids.numel() == 0:
+            return HostValues([], [], None, None)
+        if self.copied is None:
+            fields = (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
+        else:
+            self.copied.synchronize()
+            assert self.host is not None
+            fields = self.host
+        ids, lps, top_ids, top_lps = (None if t is None else t.tolist() for t in fields)
+        assert ids is not None and lps is not None
+        return HostValues(ids, lps, top_ids, top_lps)
+
+    def with_host_copy(self) -> ForwardOutput:
+        """This output with its copy to pinned host memory queued (CUDA only)."""
+        if not self.token_ids.is_cuda:
+            return self
+        host = tuple(
+            None if t is None else t.to("cpu", non_blocking=True)
+            for t in (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
+        )
+        event = torch.cuda.Event()
+        event.record()
+        return self._replace(copied=event, host=host)
 
 
 @contextlib.contextmanager
@@ -111,6 +153,6 @@ class ModelRunner:
             return ForwardOutput(empty, empty.float())
         out = sample(logits, sampling)
         if top_logprobs == 0:
-            return ForwardOutput(out.token_ids, out.logprobs)
+            return ForwardOutput(out.token_ids, out.logprobs).with_host_copy()
         top = logits.float().log_softmax(-1).topk(min(top_logprobs, logits.shape[-1]), dim=-1)
-        return ForwardOutput(out.token_ids, out.logprobs, top.indices, top.values)
+        return ForwardOutput(out.token_ids, out.logprobs, top.indices, top.values).with_host_copy()

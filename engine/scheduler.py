@@ -271,12 +271,9 @@ class Scheduler:
         """Apply a finished forward. Requests that ended (or were aborted) after
         this batch was launched drop its results: their pages are already back,
         and any later batch that reuses them runs after this one."""
-        tokens = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist()
+        tokens, logprobs, top_ids, top_lps = out.to_host()
         results: list[StepOutput] = []
         sampled = {id(r) for r in batch.sample_requests}
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         for row, (req, tok, lp) in enumerate(zip(batch.sample_requests, tokens, logprobs)):
             req.pending -= 1
             if req.finish_reason is not None:
