@@ -64,6 +64,9 @@ class SamplingBatch(NamedTuple):
     needs_nucleus_search: bool = False
     """Some sampled row has a top-p but no top-k (its nucleus is not bounded by
     a top-k's candidates)."""
+    logits_mask: Callable[[torch.Tensor], None] | None = None
+    """Masks the logits in place before anything else (grammar rows; see
+    ``engine.grammar.GrammarStep``); None for a batch without grammars."""
 
     @classmethod
     def build(
@@ -200,6 +203,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     rows, vocab_size = logits.shape
     if batch.temperature.shape[0] != rows:
         raise ValueError(f"batch has {batch.temperature.shape[0]} rows, logits have {rows}")
+    if batch.logits_mask is not None:
+        batch.logits_mask(logits)
     if logits.is_cuda and _cuda_sampler() is not None:
         return SampleOutput(*_cuda_sampler()(logits, batch))
     return sample_torch(logits, batch)
