@@ -8,10 +8,12 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
+from engine.grammar import GrammarBackend, GrammarStep
 from engine.host_copy import to_device
 from engine.model_config import ModelConfig
 from engine.request import EngineRequestError, Request, StepOutput
 from engine.runner import ForwardOutput, ModelRunner
+from engine.sampling import SamplingBatch
 from engine.scheduler import ScheduledBatch, Scheduler
 from protocol.sampling import SamplingParams
 
@@ -30,6 +32,10 @@ class Engine:
         self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
+        self._grammars: GrammarBackend | None = None
+        self._grammar_rids: set[str] = set()
+        """Live requests with a grammar: while there are none, a step does no
+        grammar work at all."""
 
     @property
     def context_length(self) -> int:
@@ -69,18 +75,33 @@ class Engine:
         # retraction and recompute draws the same tokens again.
         seed = params.seed % (1 << 31) if params.seed is not None else self._rng.randrange(1 << 31)
         req = Request(rid, list(prompt_ids), params, seed, max_total)
+        if params.grammar is not None:
+            req.grammar = self.grammar_backend().request_grammar(params.grammar)
+            self._grammar_rids.add(rid)
         self._rids.add(rid)
         return req
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The model's grammar compiler, made on first use (it loads xgrammar
+        and the tokenizer, which an engine without grammar requests skips)."""
+        if self._grammars is None:
+            mc = self.model_config
+            self._grammars = GrammarBackend.for_model(
+                self.config.model, mc.vocab_size, mc.eos_token_ids
+            )
+        return self._grammars
 
     def forget(self, rid: str) -> None:
         """The request id may be used again."""
         self._rids.discard(rid)
+        self._grammar_rids.discard(rid)
 
     def abort(self, rid: str) -> StepOutput | None:
         req = self.scheduler.abort(rid)
         if req is None:
             return None
         self._rids.discard(rid)
+        self._grammar_rids.discard(rid)
         return StepOutput(rid, -1, 0.0, "abort", max(req.num_cached_tokens, 0))
 
     def has_unfinished(self) -> bool:
@@ -105,8 +126,24 @@ class Engine:
                 batch.forward.input_ids.device,
             )
             batch.forward.input_ids[index[1]] = inflight.out.token_ids[index[0]]
-        out = self.runner.forward(batch.forward, batch.sampling, batch.top_logprobs)
+        sampling = batch.sampling
+        if self._grammar_rids and sampling is not None:
+            sampling = self._with_grammar_mask(batch, sampling, inflight)
+        out = self.runner.forward(batch.forward, sampling, batch.top_logprobs)
         return InFlight(batch, out)
+
+    def _with_grammar_mask(
+        self, batch: ScheduledBatch, sampling: SamplingBatch, inflight: InFlight | None
+    ) -> SamplingBatch:
+        """``sampling`` with the mask of the batch's grammar rows, if it has any."""
+        assert self._grammars is not None
+        step = GrammarStep.for_batch(
+            self._grammars,
+            batch.sample_requests,
+            inflight.batch.sample_requests if inflight is not None else None,
+            inflight.out if inflight is not None else None,
+        )
+        return sampling if step is None else sampling._replace(logits_mask=step)
 
     def finish(self, inflight: InFlight) -> list[StepOutput]:
         """Wait for a launched forward and apply its tokens."""
@@ -114,6 +151,7 @@ class Engine:
         for r in results:
             if r.finish_reason is not None:
                 self._rids.discard(r.rid)
+                self._grammar_rids.discard(r.rid)
         return results
 
     def overlap_step(self, inflight: InFlight | None) -> tuple[InFlight | None, list[StepOutput]]:

@@ -8,11 +8,15 @@ from typing import TYPE_CHECKING, NamedTuple
 from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.grammar import RequestGrammar
     from engine.kvcache.radix import RadixNode
 
 
 class EngineRequestError(ValueError):
     """A request the engine refuses (bad prompt, does not fit, duplicate id)."""
+
+    param: str | None = None
+    """The request field at fault, when the error is about one."""
 
 
 @dataclass(eq=False)
@@ -36,6 +40,8 @@ class Request:
     finish_reason: str | None = None
     pending: int = 0
     """Tokens sampled by a launched forward but not yet appended (overlap)."""
+    grammar: RequestGrammar | None = None
+    """The output's grammar, when its params carry one."""
 
     def __post_init__(self) -> None:
         if not self.fill_ids:

@@ -26,6 +26,23 @@ class InvalidSamplingParams(ValueError):
         self.param = param
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "choice", "structural_tag")
+"""What a ``GrammarSpec`` can constrain the output to."""
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A constraint on a request's output, compiled by the engine (xgrammar).
+
+    ``spec`` by ``kind``: ``json_object``: ignored (any JSON object);
+    ``json_schema``: the schema as JSON text; ``regex``: the pattern;
+    ``ebnf``: the grammar (a ``root`` rule); ``choice``: a JSON list of
+    strings, the output being exactly one of them; ``structural_tag``:
+    xgrammar's structural tag as JSON text."""
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -39,6 +56,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ignore_eos: bool = False
     top_logprobs: int = 0
     """Also return this many most likely tokens (and logprobs) at each step."""
+    grammar: GrammarSpec | None = None
+    """Constrain the output to this grammar; it ends (finish "stop") once complete."""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience but the stored value stays immutable
@@ -77,9 +96,22 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                 "stop_token_ids", f"token ids must be in [0, {WIRE_INT_MAX}]"
             )
 
+        if self.grammar is not None:
+            _check_grammar(self.grammar, self.ignore_eos)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check_grammar(grammar: GrammarSpec, ignore_eos: bool) -> None:
+    if grammar.kind not in GRAMMAR_KINDS:
+        raise InvalidSamplingParams(
+            "grammar", f"kind must be one of {', '.join(GRAMMAR_KINDS)}, got {grammar.kind!r}"
+        )
+    if ignore_eos:
+        # A complete grammar ends the output with an end-of-sequence token.
+        raise InvalidSamplingParams("ignore_eos", "cannot be combined with a grammar")
 
 
 def _integer(x: object) -> bool:

@@ -1,0 +1,297 @@
+"""Grammar-constrained decoding with xgrammar.
+
+- ``GrammarBackend``: the model's tokenizer as xgrammar sees it and a cache of
+  compiled grammars keyed by ``GrammarSpec`` (kind, spec), so a schema sent
+  with many requests is compiled once.
+- ``RequestGrammar``: one request's matcher and how many of its output tokens
+  it has accepted. Tokens are accepted lazily, right before the next mask is
+  filled, from the request's own output: a token that reached the output by
+  another path (the first token of a disaggregated request, which the prefill
+  worker sampled under the same grammar; a retracted request recomputed) is
+  replayed the same way as one this engine sampled.
+- ``GrammarStep``: the mask of one batch's grammar rows. The sampler calls it
+  with the logits once the forward is queued, so the host fills the bitmask
+  while the device runs the forward; with the overlap loop, the in-flight
+  step's tokens are read first (its copy to the host is already queued).
+- ``apply_token_bitmask``: the mask applied to the logits in tensor ops, the
+  same on every device.
+
+A grammar ends with one of the model's end-of-sequence tokens (the matcher's
+stop tokens), which the scheduler already ends a request on ("stop").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.host_copy import to_device
+from engine.request import EngineRequestError
+from protocol.sampling import GrammarSpec
+
+if TYPE_CHECKING:
+    from engine.request import Request
+    from engine.runner import ForwardOutput
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used dropped first)."""
+
+_FREE_CHAR = r"[^\"\\\r\n]"
+_JSON_CHAR = r"[^\0-\x1f\"\\\r\n]"
+"""xgrammar 0.2.8 lets length- and pattern-limited JSON strings contain raw
+control characters, which JSON forbids (``json.loads`` refuses them); its
+plain string rule excludes them, and so do the compiled schemas here."""
+
+
+class GrammarError(EngineRequestError):
+    """A grammar that does not compile: the request's fault, not the worker's."""
+
+    param = "grammar"
+
+
+def _max_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class GrammarBackend:
+    """Compiles ``GrammarSpec``s for one tokenizer and makes request matchers.
+
+    ``tokenizer_info`` is an ``xgrammar.TokenizerInfo`` whose vocabulary size
+    is the model's (its logits' width); ``stop_token_ids`` end a grammar."""
+
+    def __init__(
+        self, tokenizer_info: Any, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE
+    ) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = tokenizer_info
+        self.vocab_size: int = tokenizer_info.vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        # Our own cache holds the compiled results (xgrammar's would key the
+        # schema paths on text we rewrite anyway).
+        self.compiler = xgr.GrammarCompiler(
+            tokenizer_info, max_threads=_max_threads(), cache_enabled=False
+        )
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._cache_size = cache_size
+
+    @classmethod
+    def for_model(
+        cls, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> GrammarBackend:
+        """The backend of the HF tokenizer files in ``model_dir``."""
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except Exception as e:  # noqa: BLE001 (any loader failure means the same)
+            raise GrammarError(
+                f"structured output needs the model's tokenizer files, which {model_dir} "
+                f"does not provide: {e}"
+            ) from e
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        return cls(info, stop_token_ids)
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar of ``spec`` (``GrammarError`` if it has none)."""
+        hit = self._cache.get(spec)
+        if hit is not None:
+            self._cache.move_to_end(spec)
+            return hit
+        try:
+            compiled = self._compile(spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError and others)
+            raise GrammarError(f"invalid {spec.kind}: {_short(e)}") from None
+        self._cache[spec] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        xgr, kind = self._xgr, spec.kind
+        if kind in ("json_object", "json_schema"):
+            schema: Any = {"type": "object"}
+            if kind == "json_schema":
+                schema = _json(spec.spec, "json_schema")
+                if not isinstance(schema, (dict, bool)):
+                    raise GrammarError("invalid json_schema: a schema is a JSON object")
+            # Compact separators and no free whitespace: a model cannot pad
+            # the output with whitespace until it runs out of tokens.
+            grammar = xgr.Grammar.from_json_schema(
+                json.dumps(schema), any_whitespace=False, strict_mode=True
+            )
+            return self.compiler.compile_grammar(str(grammar).replace(_FREE_CHAR, _JSON_CHAR))
+        if kind == "regex":
+            return self.compiler.compile_regex(spec.spec)
+        if kind == "ebnf":
+            return self.compiler.compile_grammar(spec.spec)
+        if kind == "choice":
+            choices = _json(spec.spec, "choice")
+            if (
+                not isinstance(choices, list)
+                or not choices
+                or not all(isinstance(c, str) and c for c in choices)
+            ):
+                raise GrammarError("invalid choice: a non-empty list of non-empty strings")
+            # EBNF string literals take JSON's escapes.
+            return self.compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+            )
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(spec.spec)
+        raise GrammarError(f"unknown grammar kind {kind!r}")
+
+    def request_grammar(self, spec: GrammarSpec) -> RequestGrammar:
+        matcher = self._xgr.GrammarMatcher(
+            self.compile(spec), override_stop_tokens=self.stop_token_ids
+        )
+        return RequestGrammar(matcher)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """``[rows, ceil(vocab / 32)]`` int32 on the host, every token allowed."""
+        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def _json(text: str, kind: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise GrammarError(f"invalid {kind}: not JSON ({e})") from None
+
+
+def _short(e: Exception, limit: int = 500) -> str:
+    # xgrammar prefixes its messages with a timestamp and a C++ source location.
+    text = str(e).strip()
+    if text.startswith("[") and ": " in text:
+        parts = text.split(": ", 1)
+        if ".cc:" in parts[0]:
+            text = parts[1]
+    return text[:limit]
+
+
+class RequestGrammar:
+    """One request's matcher; ``num_accepted`` output tokens are in it."""
+
+    __slots__ = ("matcher", "num_accepted", "rejected")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+        self.rejected = False
+
+    def catch_up(self, output_ids: Sequence[int], upto: int, in_flight: int | None) -> None:
+        """Accept output tokens up to index ``upto`` (excluded): from
+        ``output_ids``, and past its end the token still ``in_flight``."""
+        while self.num_accepted < upto:
+            i = self.num_accepted
+            tok = output_ids[i] if i < len(output_ids) else in_flight
+            assert tok is not None, "a token the mask depends on is unknown"
+            if not self.matcher.accept_token(tok) and not self.rejected:
+                # Only a token sampled without this mask can get here (a
+                # worker of another version, a bug): the matcher stays where
+                # it was, and later masks follow the grammar from there.
+                self.rejected = True
+                log.warning("token %d does not fit the request's grammar", tok)
+            self.num_accepted += 1
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.matcher.is_terminated():
+            # Ended (its stop token is out): the request ends with this step,
+            # whose token is dropped.
+            bitmask[row].fill_(-1)
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarStep:
+    """The logits mask of one batch: rows ``rows`` of its sampled requests have
+    grammars. Called (by the sampler) with the logits of the batch."""
+
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        requests: list[Request],
+        rows: list[int],
+        in_flight: list[int | None],
+        in_flight_out: ForwardOutput | None,
+    ) -> None:
+        self.backend = backend
+        self.requests = requests
+        self.rows = rows
+        self.in_flight = in_flight
+        self.in_flight_out = in_flight_out
+
+    @classmethod
+    def for_batch(
+        cls,
+        backend: GrammarBackend,
+        sample_requests: list[Request],
+        in_flight_requests: list[Request] | None,
+        in_flight_out: ForwardOutput | None,
+    ) -> GrammarStep | None:
+        """The mask of a batch that samples ``sample_requests`` (None: no
+        grammar among them), launched while the batch that sampled
+        ``in_flight_requests`` into ``in_flight_out`` may still run."""
+        rows = [i for i, r in enumerate(sample_requests) if r.grammar is not None]
+        if not rows:
+            return None
+        requests = [sample_requests[i] for i in rows]
+        src: dict[int, int] = {}
+        if in_flight_requests:
+            src = {id(r): i for i, r in enumerate(in_flight_requests)}
+        # A request whose previous token is still in flight was sampled by
+        # that batch (at most one token ahead of its output).
+        in_flight = [src.get(id(r)) if r.pending > 1 else None for r in requests]
+        return cls(backend, requests, rows, in_flight, in_flight_out)
+
+    def __call__(self, logits: torch.Tensor) -> None:
+        tokens: list[int] = []
+        if any(i is not None for i in self.in_flight):
+            assert self.in_flight_out is not None
+            tokens = self.in_flight_out.to_host().token_ids
+        bitmask = self.backend.allocate_bitmask(len(self.rows))
+        for k, (req, src) in enumerate(zip(self.requests, self.in_flight)):
+            grammar = req.grammar
+            assert grammar is not None
+            # The token being sampled has index num_output + pending - 1 (the
+            # scheduler counted it as pending when it built this batch).
+            upto = req.num_output + req.pending - 1
+            grammar.catch_up(req.output_ids, upto, tokens[src] if src is not None else None)
+            grammar.fill(bitmask, k)
+        device = logits.device
+        rows = to_device(torch.tensor(self.rows, dtype=torch.int64), device)
+        apply_token_bitmask(logits, to_device(bitmask, device), rows)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
+    """Set, in place, the logits of the tokens whose bit in ``bitmask`` is 0 to
+    the lowest finite value of their dtype (a finite value keeps the reported
+    logprobs valid JSON; no sampler ever picks it while one token is allowed).
+
+    ``bitmask``: ``[R, ceil(V / 32)]`` int32, bit ``t % 32`` of word ``t // 32``
+    set when token ``t`` is allowed (xgrammar's layout); ``rows``: the rows of
+    ``logits`` it covers (None: all, in order)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    low = torch.finfo(logits.dtype).min
+    if rows is None:
+        logits.masked_fill_(~allowed, low)
+        return
+    logits[rows] = logits[rows].masked_fill(~allowed, low)
