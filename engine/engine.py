@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarBackend, GrammarStep
 from engine.host_copy import to_device
 from engine.model_config import ModelConfig
+from engine.prompt_logprobs import PromptScores
 from engine.request import EngineRequestError, Request, StepOutput
 from engine.runner import ForwardOutput, ModelRunner
 from engine.sampling import SamplingBatch
@@ -21,6 +22,8 @@ from protocol.sampling import SamplingParams
 class InFlight(NamedTuple):
     batch: ScheduledBatch
     out: ForwardOutput
+    scores: PromptScores | None = None
+    """Prompt logprobs computed by this forward, when some request asked."""
 
 
 class Engine:
@@ -36,6 +39,8 @@ class Engine:
         self._grammar_rids: set[str] = set()
         """Live requests with a grammar: while there are none, a step does no
         grammar work at all."""
+        self._adjusted_rids: set[str] = set()
+        """Live requests with a logit bias or a penalty (the same idea)."""
 
     @property
     def context_length(self) -> int:
@@ -74,7 +79,16 @@ class Engine:
         # Unseeded requests still get a fixed stream of their own, so that a
         # retraction and recompute draws the same tokens again.
         seed = params.seed % (1 << 31) if params.seed is not None else self._rng.randrange(1 << 31)
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            err = EngineRequestError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+            err.param = "logit_bias"
+            raise err
         req = Request(rid, list(prompt_ids), params, seed, max_total)
+        if params.logit_bias or params.penalized:
+            self._adjusted_rids.add(rid)
         if params.grammar is not None:
             req.grammar = self.grammar_backend().request_grammar(params.grammar)
             self._grammar_rids.add(rid)
@@ -95,6 +109,7 @@ class Engine:
         """The request id may be used again."""
         self._rids.discard(rid)
         self._grammar_rids.discard(rid)
+        self._adjusted_rids.discard(rid)
 
     def abort(self, rid: str) -> StepOutput | None:
         req = self.scheduler.abort(rid)
@@ -102,6 +117,7 @@ class Engine:
             return None
         self._rids.discard(rid)
         self._grammar_rids.discard(rid)
+        self._adjusted_rids.discard(rid)
         return StepOutput(rid, -1, 0.0, "abort", max(req.num_cached_tokens, 0))
 
     def has_unfinished(self) -> bool:
@@ -129,8 +145,17 @@ class Engine:
         sampling = batch.sampling
         if self._grammar_rids and sampling is not None:
             sampling = self._with_grammar_mask(batch, sampling, inflight)
-        out = self.runner.forward(batch.forward, sampling, batch.top_logprobs)
-        return InFlight(batch, out)
+        if self._adjusted_rids and sampling is not None:
+            adjust = self.scheduler.token_counts.adjust(batch.sample_requests)
+            sampling = sampling._replace(adjust=adjust)
+        if batch.scoring is None:
+            return InFlight(batch, self.runner.forward(batch.forward, sampling, batch.top_logprobs))
+        # Some rows score prompt tokens: those are read here, the rest sampled.
+        logits = self.runner.forward_logits(batch.forward)
+        scores = batch.scoring.score(logits)
+        rows = logits.index_select(0, batch.scoring.sample_rows)
+        out = self.runner.sample_logits(rows, sampling, batch.top_logprobs)
+        return InFlight(batch, out, scores)
 
     def _with_grammar_mask(
         self, batch: ScheduledBatch, sampling: SamplingBatch, inflight: InFlight | None
@@ -148,10 +173,13 @@ class Engine:
     def finish(self, inflight: InFlight) -> list[StepOutput]:
         """Wait for a launched forward and apply its tokens."""
         results = self.scheduler.process(inflight.batch, inflight.out)
+        if inflight.scores is not None:
+            results = inflight.scores.apply(results)
         for r in results:
             if r.finish_reason is not None:
                 self._rids.discard(r.rid)
                 self._grammar_rids.discard(r.rid)
+                self._adjusted_rids.discard(r.rid)
         return results
 
     def overlap_step(self, inflight: InFlight | None) -> tuple[InFlight | None, list[StepOutput]]:

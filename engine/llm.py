@@ -22,6 +22,10 @@ class GenerationOutput:
     text: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token, the most likely (token id, logprob) pairs when asked for."""
+    prompt_logprobs: list[float | None] | None = None
+    """Per prompt token, its logprob given the tokens before it (None for the
+    first), when ``SamplingParams.prompt_logprobs`` asked for them."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class LLM:
@@ -84,6 +88,9 @@ class LLM:
                             o.top_logprobs = []
                         o.top_logprobs.append(r.top_logprobs)
                     o.num_cached_tokens = r.num_cached_tokens
+                    if r.prompt_logprobs is not None:
+                        o.prompt_logprobs = [None, *r.prompt_logprobs.logprobs]
+                        o.prompt_top_logprobs = [None, *r.prompt_logprobs.top]
                     if r.finish_reason is not None:
                         o.finish_reason = r.finish_reason
         finally:

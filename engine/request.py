@@ -40,12 +40,27 @@ class Request:
     finish_reason: str | None = None
     pending: int = 0
     """Tokens sampled by a launched forward but not yet appended (overlap)."""
+    count_slot: int = -1
+    """Row of this request's token counts on the device (penalties; -1: none)."""
+    prompt_logprobs: list[float] = field(default_factory=list)
+    """Logprob of prompt token ``i + 1`` given its prefix, at ``[i]`` (when asked for)."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_scored: bool = False
+    """Every prompt token has its logprob (or none was asked for)."""
     grammar: RequestGrammar | None = None
     """The output's grammar, when its params carry one."""
 
     def __post_init__(self) -> None:
         if not self.fill_ids:
             self.fill_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs is None:
+            self.prompt_scored = True
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still to be computed: its prefill must run
+        over the whole prompt (no cached prefix) with logits at every token."""
+        return not self.prompt_scored
 
     @property
     def output_ids(self) -> list[int]:
@@ -77,3 +92,13 @@ class StepOutput(NamedTuple):
     """None while running; "stop", "length" or "abort" at the end."""
     num_cached_tokens: int
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """On a request's first token, when it asked for them."""
+
+
+class PromptLogprobs(NamedTuple):
+    """The logprob of each prompt token but the first given its prefix, and its
+    most likely alternatives at that position (empty lists when none were asked)."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]

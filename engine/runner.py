@@ -147,7 +147,13 @@ class ModelRunner:
     def forward(
         self, batch: ForwardBatch, sampling: SamplingBatch | None, top_logprobs: int = 0
     ) -> ForwardOutput:
-        logits = self.forward_logits(batch)
+        return self.sample_logits(self.forward_logits(batch), sampling, top_logprobs)
+
+    @torch.inference_mode()
+    def sample_logits(
+        self, logits: torch.Tensor, sampling: SamplingBatch | None, top_logprobs: int = 0
+    ) -> ForwardOutput:
+        """Sample one token per row of ``logits`` (a forward's, or some of its rows)."""
         if sampling is None or logits.shape[0] == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return ForwardOutput(empty, empty.float())

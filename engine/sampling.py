@@ -18,12 +18,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engine.host_copy import to_device
 from protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.logit_adjust import LogitAdjust
 
 __all__ = ["SEED_LIMIT", "SampleOutput", "SamplingBatch", "fold_seed", "sample", "sample_torch"]
 
@@ -67,6 +70,9 @@ class SamplingBatch(NamedTuple):
     logits_mask: Callable[[torch.Tensor], None] | None = None
     """Masks the logits in place before anything else (grammar rows; see
     ``engine.grammar.GrammarStep``); None for a batch without grammars."""
+    adjust: LogitAdjust | None = None
+    """Logit bias and penalties of the batch's rows (``engine.logit_adjust``),
+    applied after the mask; None when no row has any."""
 
     @classmethod
     def build(
@@ -205,9 +211,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         raise ValueError(f"batch has {batch.temperature.shape[0]} rows, logits have {rows}")
     if batch.logits_mask is not None:
         batch.logits_mask(logits)
+    adjusted = logits if batch.adjust is None else batch.adjust.apply(logits)
     if logits.is_cuda and _cuda_sampler() is not None:
-        return SampleOutput(*_cuda_sampler()(logits, batch))
-    return sample_torch(logits, batch)
+        out = SampleOutput(*_cuda_sampler()(adjusted, batch))
+    else:
+        out = sample_torch(adjusted, batch)
+    if batch.adjust is not None:
+        batch.adjust.record(out.token_ids)
+        # Logprobs stay the model's: of the logits before bias and penalties.
+        x = logits.to(torch.float32)
+        chosen = x.gather(-1, out.token_ids[:, None]).squeeze(-1)
+        out = out._replace(logprobs=chosen - torch.logsumexp(x, dim=-1))
+    return out
 
 
 @functools.cache

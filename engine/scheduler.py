@@ -16,7 +16,9 @@ from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.kvcache.pool import KVPool
 from engine.kvcache.radix import RadixCache
+from engine.logit_adjust import TokenCounts
 from engine.model_config import ModelConfig
+from engine.prompt_logprobs import PromptScoring, chunk_limit, logits_mode
 from engine.request import Request, StepOutput
 from engine.runner import ForwardOutput
 from engine.sampling import SamplingBatch
@@ -35,6 +37,8 @@ class ScheduledBatch(NamedTuple):
     future_src: list[int]
     top_logprobs: int
     """Largest ``top_logprobs`` asked for by a sampled request (0: none)."""
+    scoring: PromptScoring | None = None
+    """Rows that score prompt tokens, when a request asked for prompt logprobs."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -62,6 +66,8 @@ class Scheduler:
         """Requests retracted during the schedule being built (skipped by it)."""
         self.starved = False
         """The last overlapped ``schedule`` left a request without pages."""
+        self.token_counts = TokenCounts(model_config.vocab_size, pool.kv.device)
+        """Device counts of the tokens of penalized requests (``engine.logit_adjust``)."""
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -133,7 +139,7 @@ class Scheduler:
                 continue
             if req.will_finish:
                 continue
-            n = min(req.remaining, budget, chunk)
+            n = min(req.remaining, budget, chunk, chunk_limit(req))
             if self._reserve(req, n, None if inflight is not None else taken):
                 chosen.append((req, n))
                 taken.add(id(req))
@@ -143,7 +149,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             self._admit_prefix(req)
-            n = min(req.remaining, budget, chunk)
+            n = min(req.remaining, budget, chunk, chunk_limit(req))
             if not self._reserve(req, n, None):
                 self._release(req)
                 break
@@ -160,7 +166,7 @@ class Scheduler:
         """Point the request at its longest cached prefix (at least one token is left
         to compute, since sampling needs that token's logits)."""
         first = req.num_cached_tokens < 0
-        if self.cache is None:
+        if self.cache is None or req.scores_prompt:  # a cached prefix has no logits
             req.num_cached_tokens = max(req.num_cached_tokens, 0)
             return
         m = self.cache.match_prefix(req.fill_ids, max_tokens=len(req.fill_ids) - 1, record=first)
@@ -220,6 +226,8 @@ class Scheduler:
         in_flight_index = (
             {id(r): i for i, r in enumerate(inflight.sample_requests)} if inflight else {}
         )
+        chunks: list[tuple[Request, int, int, str, bool]] = []
+        scored = False
         row = 0
         for req, n in chosen:
             end = req.num_computed + n
@@ -234,9 +242,10 @@ class Scheduler:
                 new_ids = [0]
                 future_rows.append(row)
                 future_src.append(in_flight_index[id(req)])
-            specs.append(
-                ExtendSpec(new_ids, req.num_computed, req.page_table, "last" if last else "none")
-            )
+            mode = logits_mode(req, req.num_computed, last)
+            chunks.append((req, req.num_computed, n, mode, last))
+            scored |= mode == "all"
+            specs.append(ExtendSpec(new_ids, req.num_computed, req.page_table, mode))
             # Counted at launch: a later overlapped schedule must see these
             # positions as taken, and the device runs batches in order.
             req.num_computed = end
@@ -263,6 +272,7 @@ class Scheduler:
             future_rows,
             future_src,
             max((r.params.top_logprobs for r in sample_reqs), default=0),
+            PromptScoring.build(chunks, device) if scored else None,
         )
 
     # -- results -----------------------------------------------------------
@@ -341,6 +351,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Give back the request's pages: full computed pages go to the prefix
         cache (unlocked, so evictable), the rest to the free list."""
+        self.token_counts.release(req)
         kept = 0
         if self.cache is not None:
             self._cache_computed(req)

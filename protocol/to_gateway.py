@@ -19,6 +19,12 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     stages: dict[str, float] | None = None
     """On a request's final delta: the worker's stage stamps (``protocol.stages``)
     as seconds after it received the request. Older peers neither send nor read it."""
+    prompt_logprobs: list[float] | None = None
+    """With a request's first token, when it asked for them: the logprob of each
+    prompt token but the first, given the tokens before it."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``prompt_logprobs``: the most likely (token id, logprob) pairs at each
+    of those positions (empty lists when no alternatives were asked for)."""
 
 
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):

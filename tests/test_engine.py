@@ -180,7 +180,7 @@ def test_request_errors(hf_checkpoint) -> None:
         (dict(top_k=-5), "top_k"),
         (dict(min_p=2.0), "min_p"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(seed=-1), "seed"),
+        (dict(seed=2**63), "seed"),
         (dict(temperature=float("nan")), "temperature"),
     ],
 )

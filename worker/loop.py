@@ -7,6 +7,8 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+import msgspec
+
 from engine.engine import Engine, InFlight
 from engine.request import StepOutput
 from protocol.to_gateway import TokenDelta
@@ -134,8 +136,15 @@ def timed_overlap_step(
 def step_delta(r: StepOutput) -> TokenDelta:
     """The wire form of one sampled token."""
     top = None if r.top_logprobs is None else [r.top_logprobs]
-    return TokenDelta(
+    delta = TokenDelta(
         r.rid, [r.token_id], [r.logprob], r.finish_reason, r.num_cached_tokens, None, top
+    )
+    if r.prompt_logprobs is None:
+        return delta
+    return msgspec.structs.replace(
+        delta,
+        prompt_logprobs=r.prompt_logprobs.logprobs,
+        prompt_top_logprobs=r.prompt_logprobs.top,
     )
 
 
