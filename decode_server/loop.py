@@ -69,7 +69,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         try:
             req = self.engine.build_request(msg.rid, msg.prompt_ids, msg.sampling)
         except EngineRequestError as e:
-            self._refuse(client, msg.rid, str(e))
+            self._refuse(client, msg.rid, str(e), e.param)
             return
         self.clients[msg.rid] = client
         if msg.prefill_bootstrap is None:

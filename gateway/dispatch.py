@@ -248,7 +248,8 @@ async def _watch(
         async for delta in gen:
             first = False
             if delta.finish_reason is not None:
-                if delta.finish_reason == "error":
+                # A request refused for its own parameters is no failure of the worker.
+                if delta.finish_reason == "error" and delta.error_param is None:
                     failed.add(worker)
                 if delta.stages is not None and trace is not None:
                     trace.report(worker.role, delta.stages)

@@ -67,7 +67,7 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
     # -- requests ------------------------------------------------------------
 
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
-        error = None
+        error = param = None
         if not isinstance(msg, Prefill):
             error = "a prefill worker only serves Prefill requests"
         elif msg.room in self.rooms:
@@ -84,9 +84,9 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             try:
                 req = self.engine.build_request(msg.rid, msg.prompt_ids, msg.sampling)
             except EngineRequestError as e:
-                error = str(e)
+                error, param = str(e), e.param
         if error is not None:
-            self._refuse(client, msg.rid, error)
+            self._refuse(client, msg.rid, error, param)
             return
         deadline = time.monotonic() + self.config.transfer_timeout_s
         self._open(Room(msg.room, req, msg.decode_bootstrap, deadline), client)

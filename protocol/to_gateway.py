@@ -25,6 +25,10 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With ``prompt_logprobs``: the most likely (token id, logprob) pairs at each
     of those positions (empty lists when no alternatives were asked for)."""
+    error_param: str | None = None
+    """Set with finish_reason "error" when the request itself is at fault: the
+    sampling parameter the worker refused (e.g. "grammar", one that does not
+    compile). Not a failure of the worker."""
 
 
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):

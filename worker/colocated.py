@@ -58,7 +58,7 @@ class ColocatedLoop(WorkerLoop):
         try:
             self.engine.add_request(msg.rid, list(msg.prompt_ids), msg.sampling)
         except (EngineRequestError, TypeError) as e:
-            self._fail(client, msg.rid, str(e))
+            self._fail(client, msg.rid, str(e), getattr(e, "param", None))
             return
         self._clients[msg.rid] = client
         self.stages.mark(msg.rid, ADMITTED)
@@ -118,6 +118,6 @@ class ColocatedLoop(WorkerLoop):
         self._clients.clear()
         self._outbox.clear()
 
-    def _fail(self, client: bytes, rid: str, message: str) -> None:
+    def _fail(self, client: bytes, rid: str, message: str, param: str | None = None) -> None:
         self._counters["requests_failed_total"] += 1
-        self._outbox.put(client, error_delta(rid, message))
+        self._outbox.put(client, error_delta(rid, message, param))

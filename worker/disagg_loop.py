@@ -118,9 +118,10 @@ class DisaggLoop(WorkerLoop, Generic[RoomT, PlaneT]):
 
     # -- answers -------------------------------------------------------------
 
-    def _refuse(self, client: bytes, rid: str, message: str) -> None:
-        """Answer a request that was never admitted."""
-        self.outbox.put(client, error_delta(rid, message))
+    def _refuse(self, client: bytes, rid: str, message: str, param: str | None = None) -> None:
+        """Answer a request that was never admitted (``param``: the request's
+        parameter at fault)."""
+        self.outbox.put(client, error_delta(rid, message, param))
 
     def _reply(self, rid: str, delta: TokenDelta) -> None:
         """Queue ``delta`` for the requester of ``rid``; a final delta is its last."""

@@ -148,8 +148,10 @@ def step_delta(r: StepOutput) -> TokenDelta:
     )
 
 
-def error_delta(rid: str, message: str) -> TokenDelta:
-    return TokenDelta(rid, [], [], "error", 0, message)
+def error_delta(rid: str, message: str, param: str | None = None) -> TokenDelta:
+    """A failed request's final delta; ``param``: the request's own parameter
+    at fault, when it is the request that is wrong."""
+    return TokenDelta(rid, [], [], "error", 0, message, error_param=param)
 
 
 def abort_delta(rid: str, num_cached_tokens: int = 0) -> TokenDelta:

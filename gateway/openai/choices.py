@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.metrics import RequestTiming
@@ -29,6 +29,9 @@ class ChoiceEvent(NamedTuple):
     finish_reason: str | None
     cached_tokens: int
     top_logprobs: TopLogprobs = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """Tool calls completed by this event, in OpenAI's streamed form (each
+    with its ``index`` in the choice); see ``gateway.openai.tools``."""
 
 
 async def choice_stream(
@@ -39,16 +42,22 @@ async def choice_stream(
     stops: list[str],
     request_id: str,
     trace: RequestTrace | None = None,
+    error_params: dict[str, str] | None = None,
 ) -> AsyncIterator[ChoiceEvent]:
     """One completion: detokenized deltas, cut at the first stop string.
     ``trace`` collects the choice's stages (the dispatcher finds it in
-    ``current_trace``, set for the task that runs this stream)."""
+    ``current_trace``, set for the task that runs this stream).
+    ``error_params``: the request field behind each parameter a worker can
+    refuse (its ``error_param``); such a refusal is a 400 naming that field."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopStringMatcher(stops) if stops else None
     current_trace.set(trace)
     stream = dispatcher.stream(prompt, spec, request_id)
     try:
         async for delta in stream:
+            if delta.finish_reason == "error" and delta.error_param is not None:
+                param = (error_params or {}).get(delta.error_param, delta.error_param)
+                raise APIError(400, f"{param}: {delta.error}", param=param)
             if delta.finish_reason in ("error", "abort"):
                 raise APIError(
                     502,

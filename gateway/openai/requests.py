@@ -36,6 +36,9 @@ class _Request(BaseModel):
     user: str | None = None
     return_token_ids: bool = False
     """Extension: the response carries prompt_token_ids and each choice's token_ids."""
+    structured_outputs: dict[str, Any] | None = None
+    """Extension (vLLM's name): one of json, json_object, regex, choice,
+    grammar, structural_tag (``gateway.openai.structured``)."""
 
 
 class StreamOptions(BaseModel):
@@ -57,6 +60,10 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Request):

@@ -73,8 +73,9 @@ def full_response(ctx: ResponseContext, results: list[list[ChoiceEvent]]) -> dic
             max((e.cached_tokens for e in events), default=0) if ctx.reports_cache(index) else 0
         )
         prefix = shape.prompt_text(ids)
+        calls = [c for e in events for c in e.tool_calls or ()]
         choice = shape.choice(
-            index, prefix + text, shape.logprobs(toks, lps, tops, len(prefix)), finish
+            index, prefix + text, shape.logprobs(toks, lps, tops, len(prefix)), finish, calls
         )
         if ctx.return_token_ids:
             choice["token_ids"] = toks

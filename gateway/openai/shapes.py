@@ -61,9 +61,14 @@ class ResponseShape(ABC):
 
     @abstractmethod
     def choice(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One choice of a whole response."""
+        """One choice of a whole response (``tool_calls``: chat only)."""
 
     @abstractmethod
     def opening_choice(self, index: int, prompt_text: str) -> dict[str, Any] | None:
@@ -71,9 +76,15 @@ class ResponseShape(ABC):
 
     @abstractmethod
     def chunk_choice(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One choice of a streamed chunk: the text since the last chunk."""
+        """One choice of a streamed chunk: the text and tool calls (chat
+        only) since the last chunk."""
 
 
 class ChatShape(ResponseShape):
@@ -116,11 +127,22 @@ class ChatShape(ResponseShape):
         }
 
     def choice(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [
+                {k: v for k, v in call.items() if k != "index"} for call in tool_calls
+            ]
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": finish,
         }
@@ -134,11 +156,19 @@ class ChatShape(ResponseShape):
         }
 
     def chunk_choice(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return {
             "index": index,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish,
         }
@@ -195,7 +225,12 @@ class CompletionShape(ResponseShape):
         return offset + sum(len(t) for t in logprobs["tokens"])
 
     def choice(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
@@ -205,6 +240,11 @@ class CompletionShape(ResponseShape):
         return {"index": index, "text": prompt_text, "logprobs": None, "finish_reason": None}
 
     def chunk_choice(
-        self, index: int, text: str, logprobs: dict[str, Any] | None, finish: str | None
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -123,7 +123,8 @@ class StreamWriter:
         progress.tokens += len(ev.token_ids)
         if ctx.reports_cache(i):
             progress.cached = max(progress.cached, ev.cached_tokens)
-        if self._plain and ev.text and ev.finish_reason is None and not progress.held:
+        plain_event = ev.finish_reason is None and ev.tool_calls is None
+        if self._plain and ev.text and plain_event and not progress.held:
             before, after = self._template(i)
             return before + encode_basestring(ev.text) + after
         # Invariant: a choice's streamed token_ids (and logprobs) add up to all
@@ -131,14 +132,14 @@ class StreamWriter:
         # character, a possible stop-string prefix) sends no chunk of its own,
         # so its ids and logprobs ride on the choice's next chunk instead of
         # being lost.
-        if not ev.text and ev.finish_reason is None:
+        if not ev.text and plain_event:
             progress.held.append(ev)
             return None
         events, progress.held = [*progress.held, ev], []
         ids, lps, tops = join_events(events)
         logprobs = ctx.shape.logprobs(ids, lps, tops, progress.text_offset)
         progress.text_offset = ctx.shape.offset_after(progress.text_offset, logprobs)
-        choice = ctx.shape.chunk_choice(i, ev.text, logprobs, ev.finish_reason)
+        choice = ctx.shape.chunk_choice(i, ev.text, logprobs, ev.finish_reason, ev.tool_calls)
         extra = {}
         if ctx.return_token_ids:
             choice["token_ids"] = ids

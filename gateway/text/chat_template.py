@@ -197,6 +197,12 @@ class ChatTemplate:
     def available(self) -> bool:
         return self._source is not None
 
+    @property
+    def text(self) -> str:
+        """The template's Jinja source (several named ones joined; "" if none)."""
+        src = self._source
+        return "\n".join(src.values()) if isinstance(src, dict) else (src or "")
+
     def _select(self, tools: Any) -> str:
         tmpl = self._source
         if tmpl is None:

@@ -378,6 +378,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template.available
 
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template's source ("" if the model has none)."""
+        return self._chat_template.text
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
