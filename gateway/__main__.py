@@ -10,17 +10,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Iterator
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
 
+from gateway.admission import AdmissionConfig
 from gateway.app import build_app
 from gateway.config import LOG_LEVELS, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.routing import DECODE_POLICIES, PREFILL_POLICIES, HealthChecker, Router, RouterConfig
 from gateway.state import GatewayState
+from protocol.auth import keys_for
+
+CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
+log = logging.getLogger("gateway")
 
 if TYPE_CHECKING:
     from gateway.embedded import EmbeddedConfig
@@ -31,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     # and importing the gateway imports none (its process stays torch-free).
     from gateway.embedded import EmbeddedConfig
 
-    gw, rc, em = GatewayConfig(), RouterConfig(), EmbeddedConfig()
+    gw, rc, em, ad = GatewayConfig(), RouterConfig(), EmbeddedConfig(), AdmissionConfig()
     ap = argparse.ArgumentParser(
         prog="python -m gateway",
         description=__doc__,
@@ -60,7 +67,61 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--admin-key",
         default=gw.admin_key,
-        help="require this bearer key on /admin/* (worker registration)",
+        help="require this bearer key on /admin/* (worker registration; default: the "
+        "cluster token; with neither, the admin API refuses every call)",
+    )
+    ap.add_argument(
+        "--cluster-token",
+        default=os.environ.get(CLUSTER_TOKEN_ENV) or None,
+        help=f"the workers' shared secret (default: ${CLUSTER_TOKEN_ENV}; prefer the "
+        "variable, command lines are visible to other users): the request plane is "
+        "authenticated and encrypted with keys derived from it",
+    )
+    ap.add_argument(
+        "--wait-for-workers",
+        action="store_true",
+        help="with no --prefill/--decode, start no embedded workers: serve the workers "
+        "that register (--register on the workers)",
+    )
+    ap.add_argument(
+        "--worker-startup-timeout-s",
+        type=float,
+        default=gw.worker_startup_timeout_s,
+        help="while no worker is up, a request waits this long for one before it fails "
+        "with 503 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=gw.shutdown_timeout_s,
+        help="on SIGTERM/Ctrl-C, in-flight requests may finish for this long; the rest "
+        "are then aborted on the workers (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=ad.max_concurrent_requests,
+        help="generation requests served at once; more wait in a bounded queue or get 429 "
+        "(default: %(default)s, no limit)",
+    )
+    ap.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=ad.max_queued_tokens,
+        help="prompt plus max_tokens of the requests waiting for a slot; beyond it, 429 "
+        "with Retry-After (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=ad.max_queue_wait_s,
+        help="a queued request waits this long for a slot, then gets 429 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-requests-per-worker",
+        type=int,
+        default=rc.max_requests_per_worker,
+        help="requests one worker gets at once (default: %(default)s, no bound)",
     )
     ap.add_argument(
         "--prefill-policy",
@@ -166,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":
+        # httpx logs every call at INFO: every health check of every worker.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         router_cfg = RouterConfig(
             prefill_policy=args.prefill_policy,
@@ -173,26 +237,55 @@ def main(argv: list[str] | None = None) -> None:
             skip_prefill_threshold=args.skip_prefill_threshold,
             health_interval_s=args.health_interval_s,
             health_timeout_s=args.health_timeout_s,
+            max_requests_per_worker=args.max_requests_per_worker,
+        )
+        admission = AdmissionConfig(
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_queued_tokens=args.max_queued_tokens,
+            max_queue_wait_s=args.max_queue_wait_s,
         )
     except ValueError as e:  # bad flag values: a usage error, not a traceback
         parser.error(str(e))
     with contextlib.ExitStack() as stack:
         prefill, decode = tuple(args.prefill), tuple(args.decode)
-        if not prefill and not decode:
+        token = args.cluster_token
+        if not prefill and not decode and not args.wait_for_workers:
             from gateway.embedded import EmbeddedWorkers
 
-            emb = stack.enter_context(EmbeddedWorkers(_embedded_config(args)))
+            emb = stack.enter_context(EmbeddedWorkers(_embedded_config(args), token))
             prefill, decode = (emb.prefill_url,), (emb.decode_url,)
-        cfg = _gateway_config(args, prefill, decode, router_cfg)
+            token = emb.cluster_token
+        try:
+            cfg = _gateway_config(args, prefill, decode, router_cfg, admission, token)
+        except ValueError as e:
+            parser.error(str(e))
+        if cfg.admin_bearer is None:
+            log.warning(
+                "no --admin-key and no cluster token: the admin API (worker registration) "
+                "refuses every call"
+            )
         router = Router(router_cfg)
         state = GatewayState(
             cfg,
             router,
             HealthChecker(router),
-            Dispatcher(router, cfg.worker_timeout_s, cfg.connect_timeout_s),
+            Dispatcher(
+                router,
+                cfg.worker_timeout_s,
+                cfg.connect_timeout_s,
+                auth=keys_for(token),
+                wait_for_worker_s=cfg.worker_startup_timeout_s,
+            ),
         )
         server = _Server(
-            uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+            uvicorn.Config(
+                build_app(state),
+                host=cfg.host,
+                port=cfg.port,
+                log_level=cfg.log_level,
+                timeout_graceful_shutdown=max(cfg.shutdown_timeout_s, 0.01),
+            ),
+            state,
         )
         server.run()
 
@@ -216,6 +309,8 @@ def _gateway_config(
     prefill: tuple[str, ...],
     decode: tuple[str, ...],
     router_cfg: RouterConfig,
+    admission: AdmissionConfig,
+    cluster_token: str | None,
 ) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
@@ -225,7 +320,11 @@ def _gateway_config(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         admin_key=args.admin_key,
+        cluster_token=cluster_token,
         router=router_cfg,
+        admission=admission,
+        worker_startup_timeout_s=args.worker_startup_timeout_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
         request_timeout_s=args.request_timeout_s,
         worker_timeout_s=args.worker_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
@@ -236,6 +335,21 @@ def _gateway_config(
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            log.info(
+                "%s: no new requests; %d in flight may finish within %gs, then the rest "
+                "are aborted",
+                signal.Signals(sig).name,
+                self.state.admission.running,
+                self.state.config.shutdown_timeout_s,
+            )
+        super().handle_exit(sig, frame)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # Ctrl-C/SIGTERM end run() normally (uvicorn would re-raise them after

@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.admission import Overloaded
 from gateway.config import GatewayConfig
+from gateway.dispatch import NoWorkerAvailable
 from gateway.metrics import RequestTiming
 from gateway.openai import (
     APIError,
@@ -45,23 +47,16 @@ from gateway.openai import (
     sse_stream,
     stop_strings,
 )
-from gateway.openai.structured import (
-    Constraint,
-    first_event_checked,
-    one_constraint,
-    response_format_grammar,
-    structured_outputs_grammar,
-    with_grammar,
-)
-from gateway.openai.tools import ToolPlan, plan_tools, template_messages, tool_call_events
 from gateway.routing import WorkerError, normalize_url
 from gateway.stages import RequestTrace
 from gateway.state import GatewayState
-from gateway.text.tool_parsers import parser_for_template
 from protocol.roles import ROLES
 
 RECEIVED_AT = "received_at"
 """Key in the request's ``state`` of when the request came in (monotonic)."""
+RELEASE_SLOT = "release_slot"
+"""Key in the request's ``state`` of the call that gives its admission slot
+back (``Guards`` calls it once the whole response, streamed or not, is out)."""
 
 log = logging.getLogger("gateway.app")
 
@@ -88,19 +83,25 @@ def build_app(state: GatewayState) -> FastAPI:
 
 
 def _lifespan(state: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    cfg = state.config
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-            for url in urls:
-                await state.admin.add_worker(url, role)
-        await state.load_model_facts()
-        state.health.after_round.append(state.dispatcher.prune)
+        await state.add_initial_workers()
+        state.health.after_round += [
+            state.dispatcher.prune,
+            state.dispatcher.connect_all,
+            state.refresh_model_facts,
+        ]
         await state.health.start()
+        await state.dispatcher.connect_all()
         try:
             yield
         finally:
+            if state.admission.running:
+                log.warning(
+                    "aborting %d request(s) still in flight on the workers",
+                    state.admission.running,
+                )
             await state.health.stop()
             await state.dispatcher.close()
 
@@ -203,8 +204,8 @@ class Guards:
         error = None
         if path.startswith("/v1/") and cfg.api_key and auth != f"Bearer {cfg.api_key}":
             error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-        elif path.startswith("/admin/") and cfg.admin_key and auth != f"Bearer {cfg.admin_key}":
-            error = APIError(401, "invalid or missing admin key", code="invalid_api_key")
+        elif path.startswith("/admin/") and (admin := _admin_error(cfg, auth)) is not None:
+            error = admin
         elif size is None and scope["method"] in ("POST", "PUT", "PATCH"):
             # Invariant: no body over max_body_bytes reaches a handler, framed
             # by Content-Length or not (a chunked body has no header to check;
@@ -221,7 +222,30 @@ class Guards:
         if error is not None:
             await error.response()(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            release = scope["state"].pop(RELEASE_SLOT, None)
+            if release is not None:
+                release()
+
+
+def _admin_error(cfg: GatewayConfig, auth: str | None) -> APIError | None:
+    """Why a call to /admin/* is refused (None: it is not). The admin API is
+    never open: without a key (``--admin-key`` or the cluster token) it
+    refuses everything, since it decides where users' prompts go."""
+    key = cfg.admin_bearer
+    if key is None:
+        return APIError(
+            403,
+            "the admin API is disabled: start the gateway with --admin-key or a cluster "
+            "token (DISAGG_CLUSTER_TOKEN)",
+            type_="permission_error",
+            code="admin_disabled",
+        )
+    if auth is None or not secrets.compare_digest(auth.encode(), f"Bearer {key}".encode()):
+        return APIError(401, "invalid or missing admin key", code="invalid_api_key")
+    return None
 
 
 async def _buffer_body(receive: Any) -> tuple[bytes, Any]:
@@ -321,38 +345,58 @@ def _worker_url(url: str) -> str:
 def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        await _ready(state)
         _check_model(state, req.model)
         assert state.tokenizer is not None
         prompts = completion_prompts(req.prompt, state.tokenizer, state.vocab_size)
-        constraint = Constraint(
-            structured_outputs_grammar(req.structured_outputs), "structured_outputs"
-        )
-        return await _generate(
-            state, req, prompts, CompletionShape, _received(request), constraint
-        )
+        await _admit(state, request, req, prompts)
+        return await _generate(state, req, prompts, CompletionShape, _received(request))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        await _ready(state)
         _check_model(state, req.model)
         assert state.tokenizer is not None
         msgs = [m.model_dump(exclude_none=True) for m in req.messages]
         if not msgs:
             raise APIError(400, "messages must not be empty", param="messages")
-        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        constraint = one_constraint(
-            Constraint(response_format_grammar(req.response_format), "response_format"),
-            Constraint(structured_outputs_grammar(req.structured_outputs), "structured_outputs"),
-            tools.constraint,
-        )
         try:
-            ids = state.tokenizer.chat_ids(
-                template_messages(msgs),
-                add_generation_prompt=req.add_generation_prompt,
-                tools=tools.tools,
-            )
+            ids = state.tokenizer.chat_ids(msgs, add_generation_prompt=req.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return await _generate(state, req, [ids], ChatShape, _received(request), constraint, tools)
+        await _admit(state, request, req, [ids])
+        return await _generate(state, req, [ids], ChatShape, _received(request))
+
+
+async def _ready(state: GatewayState) -> None:
+    """Wait (bounded) for a worker when none is up yet; 503 after that."""
+    try:
+        await state.wait_ready()
+    except NoWorkerAvailable as e:
+        raise APIError(503, str(e), type_="server_error", code="no_worker") from None
+
+
+async def _admit(
+    state: GatewayState, request: Request, req: GenerationRequest, prompts: list[list[int]]
+) -> None:
+    """Take an admission slot for the request (429 with Retry-After when the
+    gateway is at capacity); ``Guards`` gives it back when the response is out."""
+    n = req.n or 1
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    tokens = sum(
+        n * (len(ids) + (asked or max(0, state.context_length - len(ids)))) for ids in prompts
+    )
+    try:
+        await state.admit(tokens)
+    except Overloaded as e:
+        raise APIError(
+            429,
+            f"{e} (retry after {e.retry_after}s)",
+            type_="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": e.retry_after},
+        ) from None
+    request.scope.setdefault("state", {})[RELEASE_SLOT] = state.admission.release
 
 
 def _received(request: Request) -> float:
@@ -376,13 +420,9 @@ async def _generate(
     prompts: list[list[int]],
     shape_type: type[ResponseShape],
     received: float | None = None,
-    constraint: Constraint = Constraint(),
-    tools: ToolPlan = ToolPlan(),
 ) -> Response:
     """``req.n`` choices per prompt, as one response of ``shape_type``'s shape;
-    ``received``: when the request came in (the prompts are tokenized now);
-    ``constraint``: the grammar of every choice; ``tools``: how tool calls
-    are found in the text."""
+    ``received``: when the request came in (the prompts are tokenized now)."""
     tokenized = time.monotonic()
     cfg, tokenizer = state.config, state.tokenizer
     assert tokenizer is not None
@@ -407,23 +447,12 @@ async def _generate(
             specs.append(
                 sampling_params(req, max_tokens, choice_seed(req.seed, i), shape.top_k or 0)
             )
-    if constraint.grammar is not None:
-        specs = [with_grammar(s, constraint.grammar) for s in specs]
     rid = shape.id_prefix + secrets.token_hex(12)
     traces = [RequestTrace(received or tokenized, tokenized) for _ in specs]
-    error_params = {"grammar": constraint.param} if constraint.param else None
     gens = [
-        choice_stream(
-            state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}", traces[i], error_params
-        )
+        choice_stream(state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}", traces[i])
         for i, (ids, spec) in enumerate(zip(choice_prompts, specs))
     ]
-    if tools.mode != "none":
-        tool_format = parser_for_template(tokenizer.chat_template_text)
-        gens = [tool_call_events(g, tools.parser(tool_format)) for g in gens]  # type: ignore[misc]
-    if req.stream and constraint.grammar is not None:
-        # A grammar the workers refuse is a 400, not an error inside a 200 stream.
-        gens[0] = await first_event_checked(gens[0], cfg.request_timeout_s)
     started = time.monotonic()
     state.metrics.requests.inc(shape.endpoint)
     ctx = ResponseContext(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.admission import AdmissionConfig
 from gateway.routing import RouterConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -20,7 +21,19 @@ class GatewayConfig:
     """Name clients use; None: the workers' served name."""
     api_key: str | None = None
     admin_key: str | None = None
+    """Bearer key of /admin/*; None: the cluster token. With neither, the admin
+    API refuses every call (it is never open)."""
+    cluster_token: str | None = None
+    """Shared secret of the cluster: the request plane's CURVE keys derive from
+    it, and it is the admin key unless ``admin_key`` is set."""
     router: RouterConfig = field(default_factory=RouterConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    worker_startup_timeout_s: float = 30.0
+    """While no worker is up (the gateway started first, or every worker is
+    down), a request waits this long for one before it fails with 503."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM/Ctrl-C: how long in-flight requests may finish before the
+    rest are aborted on the workers."""
     request_timeout_s: float = 600.0
     """Every request ends within this, streaming or not."""
     worker_timeout_s: float = 120.0
@@ -37,5 +50,12 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if min(self.request_timeout_s, self.worker_timeout_s, self.connect_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.worker_startup_timeout_s < 0 or self.shutdown_timeout_s < 0:
+            raise ValueError("worker_startup_timeout_s and shutdown_timeout_s must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+
+    @property
+    def admin_bearer(self) -> str | None:
+        """The key /admin/* requires (None: the admin API is disabled)."""
+        return self.admin_key or self.cluster_token or None

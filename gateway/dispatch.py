@@ -7,12 +7,13 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 
 from gateway.routing import Router, WorkerInfo
 from gateway.stages import RequestTrace, current_trace
+from protocol.auth import ClusterKeys
 from protocol.client import (
     DEFAULT_CONNECT_TIMEOUT_S,
     WorkerClient,
@@ -59,13 +60,29 @@ class Dispatcher:
         timeout_s: float,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         max_attempts: int = 3,
+        auth: ClusterKeys | None = None,
+        wait_for_worker_s: float = 0.0,
     ) -> None:
         self.router = router
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_attempts = max_attempts
         """Workers tried for one request when they fail before it is dispatched."""
+        self.auth = auth
+        """CURVE keys of the cluster token (None: plaintext request plane)."""
+        self.wait_for_worker_s = wait_for_worker_s
+        """While no worker can take a request (none up yet, all down for a
+        moment), a request waits this long for one before ``NoWorkerAvailable``."""
         self._clients: dict[str, WorkerClient] = {}
+
+    def _on_connection(self, endpoint: str, up: bool, reason: str) -> None:
+        """Passive health: a worker whose request-plane connection dropped is
+        out of routing at once (the health checker probes it back in)."""
+        if up:
+            return
+        for worker in self.router.workers():
+            if worker.request_endpoint == endpoint:
+                self.router.mark_down(worker, reason)
 
     async def _client(self, worker: WorkerInfo) -> WorkerClient:
         endpoint = worker.request_endpoint
@@ -74,7 +91,11 @@ class Dispatcher:
         client = self._clients.get(endpoint)
         if client is None:
             client = WorkerClient(
-                endpoint, timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s
+                endpoint,
+                timeout_s=self.timeout_s,
+                connect_timeout_s=self.connect_timeout_s,
+                auth=self.auth,
+                on_connection=lambda up, why: self._on_connection(endpoint, up, why),
             )
             try:
                 await client.start()
@@ -94,6 +115,15 @@ class Dispatcher:
             if endpoint not in live and client.in_flight == 0:
                 del self._clients[endpoint]
                 await client.close()
+
+    async def connect_all(self) -> None:
+        """Open a connection to every available worker ahead of its first
+        request: its heartbeats then tell of a dead or paused worker before a
+        request is routed to it."""
+        for worker in self.router.workers():
+            if self.router.is_available(worker) and worker.request_endpoint:
+                with contextlib.suppress(_NotDispatched):
+                    await self._client(worker)
 
     @property
     def endpoints(self) -> list[str]:
@@ -121,6 +151,28 @@ class Dispatcher:
             raise NoWorkerAvailable("no healthy decode worker")
         return prefill, decode
 
+    async def _route_or_wait(
+        self, prompt_ids: list[int], exclude: set[str], wait: bool
+    ) -> tuple[WorkerInfo | None, WorkerInfo]:
+        """``_route``; with ``wait``, retried for up to ``wait_for_worker_s``
+        while no worker is available (health checks bring workers back)."""
+        try:
+            return self._route(prompt_ids, exclude)
+        except NoWorkerAvailable:
+            if not wait or self.wait_for_worker_s <= 0:
+                raise
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_for_worker_s
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                return self._route(prompt_ids, exclude)
+            except NoWorkerAvailable:
+                if loop.time() >= deadline:
+                    raise NoWorkerAvailable(
+                        f"no healthy decode worker within {self.wait_for_worker_s:g}s"
+                    ) from None
+
     async def stream(
         self, prompt_ids: list[int], spec: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[TokenDelta]:
@@ -140,7 +192,7 @@ class Dispatcher:
         last: _NotDispatched | None = None
         while True:
             try:
-                prefill, decode = self._route(prompt_ids, tried)
+                prefill, decode = await self._route_or_wait(prompt_ids, tried, last is None)
             except NoWorkerAvailable:
                 if last is None:
                     raise
@@ -211,6 +263,8 @@ class Dispatcher:
             merged = merge_prefill_decode(
                 _watch(pclient.generate(p_msg, stages=stages), prefill, failed, trace),
                 _watch(dclient.generate(d_msg, stages=stages, merge=True), decode, failed, trace),
+                pclient.loss,
+                prefill.url,
             )
             async with contextlib.aclosing(merged):
                 async for delta, _source in merged:
@@ -264,11 +318,20 @@ async def _watch(
 
 
 async def merge_prefill_decode(
-    p_gen: AsyncIterator[TokenDelta], d_gen: AsyncIterator[TokenDelta]
+    p_gen: AsyncIterator[TokenDelta],
+    d_gen: AsyncIterator[TokenDelta],
+    prefill_lost: Callable[[], asyncio.Event] | None = None,
+    prefill_name: str = "prefill",
 ) -> AsyncIterator[tuple[TokenDelta, str]]:
     """Prefill's one delta, then decode's stream. Both start at once; decode's
     deltas are held until prefill's token is out. Either side failing first
-    ends the request (the other side is aborted by closing its iterator)."""
+    ends the request (the other side is aborted by closing its iterator).
+
+    Prefill's request ends with its first token, but the room does not: its
+    KV is still on the way to decode until decode's next delta. If the prefill
+    worker's connection drops in between (``prefill_lost()``), the KV will never
+    land: the request ends at once with an error (closing decode's iterator
+    aborts the room there) instead of waiting out decode's transfer timeout."""
     p_task = asyncio.ensure_future(_next(p_gen))
     d_task = asyncio.ensure_future(_next(d_gen))
     try:
@@ -302,9 +365,22 @@ async def merge_prefill_decode(
                 None,
                 p_delta.num_cached_tokens,
                 top_logprobs=p_delta.top_logprobs,
+                prompt_logprobs=p_delta.prompt_logprobs,
+                prompt_top_logprobs=p_delta.prompt_top_logprobs,
             ),
             "prefill",
         )
+        if prefill_lost is not None and not d_task.done():
+            lost = asyncio.ensure_future(prefill_lost().wait())
+            try:
+                await asyncio.wait({d_task, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+            if not d_task.done():
+                raise WorkerDisconnected(
+                    f"prefill worker {prefill_name} was lost before the prompt's KV "
+                    "reached the decode worker"
+                )
         d = await d_task
         while True:
             yield d, "decode"

@@ -34,12 +34,13 @@ class EmbeddedConfig:
 class EmbeddedWorkers:
     """Owns the two worker processes; always use as a context manager."""
 
-    def __init__(self, config: EmbeddedConfig) -> None:
+    def __init__(self, config: EmbeddedConfig, cluster_token: str | None = None) -> None:
         self.config = config
         self.procs: list[subprocess.Popen[bytes]] = []
         self.prefill_url = ""
         self.decode_url = ""
-        self.cluster_token = secrets.token_hex(16)
+        self.cluster_token = cluster_token or secrets.token_hex(16)
+        """Given, or a fresh one: the embedded workers are never open."""
 
     def _cmd(self, module: str, role: str, port: int, device: str) -> list[str]:
         c = self.config

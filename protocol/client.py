@@ -7,7 +7,8 @@ request id; a background sender writes outgoing messages in order.
 Failure contract of ``generate``:
 
 - ``WorkerUnreachable`` is raised, before anything is sent, when there is
-  no connection to the worker and none comes up within ``connect_timeout_s``
+  no connection to the worker and none comes up within ``connect_timeout_s``,
+  or at once when an established connection dropped and has not come back
   (the request never reached a worker: safe to send elsewhere);
 - request-level failures (bad prompt, invalid sampling, duplicate id in the
   worker, worker shutting down) arrive as a final delta with
@@ -20,6 +21,15 @@ Failure contract of ``generate``:
 
 Leaving the iterator early (``break``, ``aclose()``, cancellation, the
 timeout above, closing the client) sends ``Abort(rid)`` to the worker.
+
+Liveness, both ways: libzmq exchanges ZMTP heartbeats on the connection, so a
+worker that stops answering (killed, paused, cut off) drops the connection
+within ``heartbeat_timeout_s`` even while requests wait for their next token;
+and the client sends ``Heartbeat`` messages every ``heartbeat_interval_s``, by
+which the worker tells that its requester is gone and aborts its requests.
+A connection counts as up once the ZMTP handshake succeeded (with CURVE keys
+from ``auth``: once both sides proved they hold the cluster token), not when
+the TCP connection opens: a paused worker still accepts TCP connections.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -38,14 +48,25 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol import to_gateway, to_worker
+from protocol.auth import ClusterKeys, secure_client
 from protocol.stages import FIRST_TOKEN_RECEIVED, StageClock
 from protocol.to_gateway import TokenDelta
-from protocol.to_worker import Abort, Generate, Prefill
+from protocol.to_worker import Abort, Generate, Heartbeat, Prefill
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_CONNECT_TIMEOUT_S = 3.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT_S = 1.5
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+ConnectionListener = Callable[[bool, str], None]
+"""Called with (up, reason) when the connection comes up or drops."""
 
 
 class WorkerError(RuntimeError):
@@ -133,6 +154,9 @@ def merge_deltas(first: TokenDelta, rest: deque[_Item]) -> TokenDelta:
         last.error,
         [t for p in parts for t in p.top_logprobs or ()] if with_tops else None,
         last.stages,
+        # Only a request's first delta carries them.
+        prompt_logprobs=first.prompt_logprobs,
+        prompt_top_logprobs=first.prompt_top_logprobs,
     )
 
 
@@ -144,13 +168,29 @@ class WorkerClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         context: zmq.asyncio.Context | None = None,
+        auth: ClusterKeys | None = None,
+        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        on_connection: ConnectionListener | None = None,
     ) -> None:
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeout_s and connect_timeout_s must be > 0")
+        if heartbeat_interval_s <= 0 or heartbeat_timeout_s <= heartbeat_interval_s:
+            raise ValueError("heartbeats need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         self.endpoint = request_endpoint
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.auth = auth
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.on_connection = on_connection
         self._connected = asyncio.Event()
+        self._lost = False
+        """An established connection dropped and has not come back: requests
+        fail at once instead of waiting ``connect_timeout_s`` for it."""
+        self._loss = asyncio.Event()
+        """Set when the current connection drops (a new one per connection)."""
+        self._handshake_error: str | None = None
         self._ctx = context
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -171,13 +211,24 @@ class WorkerClient:
         sock.linger = 0
         sock.sndhwm = 0
         sock.rcvhwm = 0
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # ZMTP heartbeats, answered by the peer's libzmq I/O thread (never by a
+        # busy engine loop): only a peer that is really gone stops answering.
+        sock.heartbeat_ivl = int(self.heartbeat_interval_s * 1000)
+        sock.heartbeat_timeout = int(self.heartbeat_timeout_s * 1000)
+        sock.heartbeat_ttl = int(self.heartbeat_timeout_s * 4000)
+        sock.reconnect_ivl = 100
+        sock.reconnect_ivl_max = 1000
+        secure_client(sock, self.auth)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+        )
         sock.connect(self.endpoint)
         self._sock = sock
         self._tasks = [
             asyncio.create_task(self._receive(), name=f"worker-recv {self.endpoint}"),
             asyncio.create_task(self._send_loop(), name=f"worker-send {self.endpoint}"),
             asyncio.create_task(self._watch(), name=f"worker-watch {self.endpoint}"),
+            asyncio.create_task(self._heartbeat(), name=f"worker-heartbeat {self.endpoint}"),
         ]
 
     async def close(self) -> None:
@@ -187,6 +238,7 @@ class WorkerClient:
             return
         self._closed = True
         self._connected.set()  # wakes requests waiting for a connection; they see _closed
+        self._loss.set()
         for rid in list(self._inboxes):
             self._post(Abort(rid))
         if self._sock is not None:
@@ -216,7 +268,18 @@ class WorkerClient:
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set()
+        return self._connected.is_set() and not self._closed
+
+    @property
+    def lost(self) -> bool:
+        """An established connection dropped and has not come back."""
+        return self._lost
+
+    def loss(self) -> asyncio.Event:
+        """Set when the current connection drops (or the client closes): a
+        caller that still depends on the worker after its request ended (the
+        prefill side of a room whose KV is moving) waits on it."""
+        return self._loss
 
     @property
     def in_flight(self) -> int:
@@ -250,12 +313,18 @@ class WorkerClient:
             # Invariant: a request is only handed to ZMQ while a connection is
             # up. ZMQ would queue it for a peer that may never come back (a
             # killed worker), and the caller could only learn that by timing out.
+            if self._lost:
+                # Known dead: no request waits a connect timeout for it.
+                raise WorkerUnreachable(f"the connection to {self.endpoint} is down")
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     await self._connected.wait()
             except TimeoutError:
+                why = (
+                    f" (handshake failed: {self._handshake_error})" if self._handshake_error else ""
+                )
                 raise WorkerUnreachable(
-                    f"no connection to {self.endpoint} within {self.connect_timeout_s:g}s"
+                    f"no connection to {self.endpoint} within {self.connect_timeout_s:g}s{why}"
                 ) from None
             if self._closed:
                 raise WorkerClientClosed("client is closed")
@@ -335,6 +404,13 @@ class WorkerClient:
     async def _flush(self) -> None:
         await self._outbox.join()
 
+    async def _heartbeat(self) -> None:
+        frame = to_worker.encoder.encode(Heartbeat())
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            if self._connected.is_set():
+                self._outbox.put_nowait(frame)
+
     async def _send_loop(self) -> None:
         assert self._sock is not None
         while True:
@@ -381,14 +457,49 @@ class WorkerClient:
             except (zmq.ZMQError, ValueError, KeyError) as e:
                 log.warning("socket monitor of %s stopped: %s", self.endpoint, e)
                 return
-            if event["event"] == zmq.EVENT_CONNECTED:
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshake_error = None
+                if self._lost:
+                    log.info("the connection to worker %s is back", self.endpoint)
+                self._lost = False
+                self._loss = asyncio.Event()
                 self._connected.set()
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._notify(True, "connected")
+            elif kind & _HANDSHAKE_FAILED:
+                error = _HANDSHAKE_ERRORS.get(kind, "handshake failed")
+                if self._handshake_error != error:
+                    log.warning(
+                        "handshake with worker %s failed (%s): does it hold the same "
+                        "cluster token?",
+                        self.endpoint,
+                        error,
+                    )
+                self._handshake_error = error
+            elif kind == zmq.EVENT_DISCONNECTED and self._connected.is_set():
                 self._connected.clear()
+                self._lost = True
+                self._loss.set()
                 log.warning("lost the connection to worker %s", self.endpoint)
                 self._fail_all(WorkerDisconnected(f"connection to {self.endpoint} dropped"))
+                self._notify(False, f"request-plane connection to {self.endpoint} dropped")
+
+    def _notify(self, up: bool, reason: str) -> None:
+        if self.on_connection is not None:
+            try:
+                self.on_connection(up, reason)
+            except Exception:  # a listener's bug must not stop the watcher
+                log.exception("connection listener of %s failed", self.endpoint)
 
     def _fail_all(self, error: WorkerError) -> None:
         """End every in-flight request with ``error`` (they can get no more deltas)."""
         for inbox in self._inboxes.values():
             inbox.put(error)
+
+
+_HANDSHAKE_ERRORS = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error: one side uses the cluster token, "
+    "the other does not",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
+}

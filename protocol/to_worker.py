@@ -38,6 +38,13 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     rid: str
 
 
-ToWorker = Generate | Prefill | Abort
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """The requester is alive. A requester that sent one is expected to keep
+    sending them: when it falls silent for the worker's ``requester_timeout_s``
+    (killed, paused, cut off), the worker aborts its requests. Requesters that
+    never send one are not watched."""
+
+
+ToWorker = Generate | Prefill | Abort | Heartbeat
 decoder = msgspec.msgpack.Decoder(ToWorker)
 encoder = msgspec.msgpack.Encoder()

@@ -872,6 +872,9 @@ class _EndlessDispatcher:
     async def prune(self) -> None:
         pass
 
+    async def connect_all(self) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 

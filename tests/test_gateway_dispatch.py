@@ -19,7 +19,7 @@ from protocol import to_gateway, to_worker
 from protocol.client import WorkerDisconnected, WorkerError, WorkerUnreachable
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta, Tokens
-from protocol.to_worker import Abort
+from protocol.to_worker import Abort, Heartbeat
 
 CONNECT_TIMEOUT_S = 0.3
 
@@ -57,6 +57,8 @@ class FakeWorker:
         while True:
             ident, frame = await self.sock.recv_multipart()
             msg = to_worker.decoder.decode(frame)
+            if isinstance(msg, Heartbeat):
+                continue
             if isinstance(msg, Abort):
                 self.aborts.append(msg.rid)
                 continue

@@ -76,6 +76,9 @@ class WireDispatcher:
     async def prune(self) -> None:
         pass
 
+    async def connect_all(self) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 

@@ -141,17 +141,47 @@ def test_cache_aware_prefers_the_worker_that_served_the_prefix() -> None:
     assert policy.last_decision == "low_match"
     r.begin(b, 64)
 
-    # Same system prompt, another question: a matched 256 of 288 tokens.
-    r.begin(a, 1000)
+    # Same system prompt, another question: a matched 256 of 288 tokens, so
+    # a is done with it first (288 queued + 32 new < 64 queued + 288 new).
     for _ in range(3):
         assert r.pick_prefill(system + prompt(4, 32)) is a
         assert policy.last_decision == "cache"
     # b served prompt(3): a prompt extending it goes to b even though a is
-    # the less loaded one now.
-    r.begin(b, 2000)
+    # the less loaded one now (314 + 16 new < 288 + 80 new).
+    r.begin(b, 250)
     assert a.outstanding_tokens < b.outstanding_tokens
     assert r.pick_prefill(prompt(3, 64) + prompt(5, 16)) is b
     assert policy.last_decision == "cache"
+    # Once a's queue is longer than what its cache saves, the prompt goes to
+    # b although only a has it cached (1288 + 32 > 314 + 288).
+    r.begin(a, 1000)
+    assert r.pick_prefill(system + prompt(4, 32)) is b
+    assert policy.last_decision == "cache"
+
+
+def test_cache_aware_gives_a_restarted_worker_its_share() -> None:
+    """A worker with an empty tree (restarted or new) gets prompts that share
+    a prefix with what another worker cached as soon as that worker has a
+    queue, instead of never (every prompt matched the busy worker's tree)."""
+    r = make_router(prefill_policy="cache_aware", cache_block_tokens=16)
+    a = add(r, "http://p0", "prefill")
+    system = prompt(1, 256)
+    for i in range(4):
+        assert r.pick_prefill(system + prompt(100 + i, 32)) is a
+    b = add(r, "http://p1", "prefill")
+    counts = {a.url: 0, b.url: 0}
+    in_flight: list[tuple[WorkerInfo, int]] = []
+    for i in range(40):
+        ids = system + prompt(200 + i, 32)
+        w = r.pick_prefill(ids)
+        assert w is not None
+        counts[w.url] += 1
+        r.begin(w, len(ids))
+        in_flight.append((w, len(ids)))
+        if len(in_flight) > 4:  # four prefills in flight at a time
+            done, n = in_flight.pop(0)
+            r.end(done, n, True)
+    assert min(counts.values()) >= 10, counts
 
 
 def test_cache_aware_falls_back_to_least_load_on_a_big_load_gap() -> None:
@@ -166,20 +196,21 @@ def test_cache_aware_falls_back_to_least_load_on_a_big_load_gap() -> None:
     b = add(r, "http://p1", "prefill")
     ids = prompt(7, 512)
     assert r.pick_prefill(ids) is a
-    # Gap 900 < 1000 absolute: still the cache.
-    r.begin(a, 900)
+    # Gap 400 < 1000 absolute, and a's queue is shorter than the prompt it
+    # has cached: still a, by the cache.
+    r.begin(a, 400)
     assert r.pick_prefill(ids) is a and policy.last_decision == "cache"
     # Gap 1500 > 1000 and 1500 > 2 * 0: imbalanced, least load wins.
-    r.begin(a, 600)
+    r.begin(a, 1100)
     assert r.pick_prefill(ids) is b and policy.last_decision == "imbalance"
-    # Both busy: gap 1500 but 3000 < 2 * 1500 (relative threshold not met):
-    # the cache wins again (a holds the prefix, b also got it just now, so
-    # give b a different one by resetting its tree).
+    # Both busy: gap 1200 but 3000 < 2 * 1800 (relative threshold not met):
+    # the cache-aware rule decides again (b's tree reset, so only a has the
+    # prefix); b finishes first (1800 + 512 < 3000 + 0).
     policy.forget(b.url)
-    r.begin(b, 1500)
+    r.begin(b, 1800)
     r.begin(a, 1500)
-    assert (a.outstanding_tokens, b.outstanding_tokens) == (3000, 1500)
-    assert r.pick_prefill(ids) is a and policy.last_decision == "cache"
+    assert (a.outstanding_tokens, b.outstanding_tokens) == (3000, 1800)
+    assert r.pick_prefill(ids) is b and policy.last_decision == "cache"
 
 
 def test_cache_aware_low_match_uses_least_load() -> None:

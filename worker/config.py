@@ -111,6 +111,13 @@ class WorkerConfig:
         help="fail a KV transfer (and its request) that takes longer (default: %(default)s)",
         group=TRANSFER_GROUP,
     )
+    requester_timeout_s: float = setting(
+        5.0,
+        help="abort the requests of a requester (gateway) that sent heartbeats and then "
+        "fell silent for this many seconds (killed, paused, cut off); 0 disables "
+        "(default: %(default)s)",
+        group=TRANSFER_GROUP,
+    )
     request_timeout_s: float = setting(
         600.0,
         help="fail a request still in the engine after this many seconds, e.g. one "
@@ -139,6 +146,8 @@ class WorkerConfig:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.transfer_timeout_s <= 0:
             raise ValueError("transfer_timeout_s must be > 0")
+        if self.requester_timeout_s < 0:
+            raise ValueError("requester_timeout_s must be >= 0 (0 disables it)")
         if self.request_timeout_s < 0:
             raise ValueError("request_timeout_s must be >= 0 (0 disables it)")
 

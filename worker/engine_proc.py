@@ -28,8 +28,9 @@ import msgspec
 import zmq
 
 from protocol import to_gateway, to_worker
+from protocol.auth import is_loopback, keys_for, secure_server
 from protocol.to_gateway import TokenDelta, Tokens
-from protocol.to_worker import Abort
+from protocol.to_worker import Abort, Heartbeat
 from worker.config import WorkerConfig
 from worker.roles import Role
 
@@ -102,7 +103,11 @@ class EngineServer:
         # ends with exactly one final delta even when it times out here.
         self._owners: dict[str, bytes] = {}
         self._deadlines: dict[str, float] = {}
+        self._heard: dict[bytes, float] = {}
+        self._polled_at = time.monotonic()
+        """Requesters that send heartbeats -> when one was last heard from."""
         self._counters = {
+            "orphans_aborted_total": 0,
             "bad_frames_total": 0,
             "duplicate_rids_total": 0,
             "timed_out_total": 0,
@@ -146,7 +151,19 @@ class EngineServer:
 
     def _startup(self) -> None:
         cfg = self.config.resolve()
+        if not cfg.cluster_token and not is_loopback(cfg.host):
+            raise RuntimeError(
+                f"refusing to listen on {cfg.host} without a cluster token: any host that "
+                "reaches the request plane could submit and abort requests; set "
+                "DISAGG_CLUSTER_TOKEN (or --cluster-token) on every worker and the gateway"
+            )
+        if not cfg.cluster_token:
+            log.warning(
+                "no cluster token: the request plane accepts any local process; set "
+                "DISAGG_CLUSTER_TOKEN to require it"
+            )
         self.router = self.ctx.socket(zmq.ROUTER)
+        secure_server(self.router, keys_for(cfg.cluster_token))
         # Replies to a requester that went away are dropped, never an error;
         # no send high-water mark, so a slow but live requester loses nothing.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -228,6 +245,9 @@ class EngineServer:
         next_housekeeping = time.monotonic() + HOUSEKEEPING_S
         while not self._stop:
             events = dict(poller.poll(0 if self.loop.has_work() else IDLE_POLL_MS))
+            # What was on the socket until now is read below: silence is
+            # measured up to here, not across a long step that follows.
+            self._polled_at = time.monotonic()
             if self.router in events:
                 self._drain(self.router, self._on_request)
             if self.ctrl in events:
@@ -244,6 +264,7 @@ class EngineServer:
                     self.exit_code = 1
                     return
                 self._expire(now)
+                self._abort_orphans(now)
 
     def _drain(self, sock: zmq.Socket, handler: Any) -> None:
         for _ in range(MAX_MESSAGES_PER_ITERATION):
@@ -266,6 +287,13 @@ class EngineServer:
             log.warning("ignoring a malformed request (rid=%s): %s", rid, e)
             if rid is not None and rid not in self._owners:
                 self._send(client, [_error(rid, f"malformed request: {e}")], stamp=False)
+            return
+        if self._heard:
+            heard = self._heard.get(client)
+            if heard is not None:
+                self._heard[client] = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            self._heard[client] = time.monotonic()
             return
         if isinstance(msg, Abort):
             owner = self._owners.get(msg.rid)
@@ -321,6 +349,31 @@ class EngineServer:
             self._abort_quietly(rid)
             limit = self.config.request_timeout_s
             self._send(client, [_error(rid, f"request timed out after {limit:g}s in the worker")])
+
+    def _abort_orphans(self, now: float) -> None:
+        """Abort the requests of requesters that fell silent: a killed gateway
+        never sends the aborts, and its streams would run to the end."""
+        limit = self.config.requester_timeout_s
+        if limit <= 0:
+            return
+        gone = {c for c, t in self._heard.items() if self._polled_at - t > limit}
+        if not gone:
+            return
+        for client in gone:
+            del self._heard[client]
+        orphans = [rid for rid, c in self._owners.items() if c in gone]
+        if orphans:
+            log.warning(
+                "%d requester(s) silent for over %gs; aborting their %d request(s)",
+                len(gone),
+                limit,
+                len(orphans),
+            )
+        for rid in orphans:
+            del self._owners[rid]
+            self._deadlines.pop(rid, None)
+            self._counters["orphans_aborted_total"] += 1
+            self._abort_quietly(rid)
 
     def _fail_all(self, message: str) -> None:
         """Give every in-flight request its final (error) delta."""

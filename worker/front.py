@@ -45,7 +45,11 @@ ASK_TIMEOUT_S = 5.0
 """How long /health, /metrics and /server_info wait for the engine process."""
 STOP_GRACE_S = 15.0
 """After asking the engine process to stop, wait this long before SIGTERM."""
-REGISTER_ATTEMPTS = 6
+REGISTER_REFUSALS = 3
+"""Refusals (a 4xx: wrong key, bad role) after which a worker gives up
+registering and exits; an unreachable or failing gateway is retried for as
+long as the worker runs (it may start first)."""
+REGISTER_MAX_DELAY_S = 5.0
 LIVENESS_POLL_S = 0.2
 
 
@@ -374,8 +378,14 @@ async def _watch_engine(state: FrontState, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
-async def _register(config: WorkerConfig, server: uvicorn.Server, engine: EngineHandle) -> None:
-    """Best effort: tell the gateway at ``config.register`` about this worker."""
+async def _register(
+    config: WorkerConfig, server: uvicorn.Server, engine: EngineHandle, state: FrontState
+) -> None:
+    """Tell the gateway at ``config.register`` about this worker. A gateway
+    that is not up (yet) is retried for as long as the worker runs; one that
+    refuses the registration (wrong key, role) ``REGISTER_REFUSALS`` times
+    stops the worker with that reason: a worker nobody routes to must not
+    look healthy."""
     assert config.register is not None
     while not server.started:
         await asyncio.sleep(0.05)
@@ -383,27 +393,34 @@ async def _register(config: WorkerConfig, server: uvicorn.Server, engine: Engine
     body = {"url": config.url, "role": config.role}
     key = config.register_key or config.cluster_token
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    delay = 1.0
+    delay, refusals, attempt = 0.5, 0, 0
     async with httpx.AsyncClient(timeout=5.0) as client:
-        for attempt in range(1, REGISTER_ATTEMPTS + 1):
+        while True:
+            attempt += 1
             try:
                 await engine.ask("ping")
                 resp = await client.post(url, json=body, headers=headers)
                 if resp.is_success:
                     log.info("registered with %s as %s (%s)", url, config.url, config.role)
                     return
-                log.warning(
-                    "registration attempt %d: %s answered %d: %s",
-                    attempt,
-                    url,
-                    resp.status_code,
-                    resp.text[:200],
-                )
+                why = f"{url} answered {resp.status_code}: {resp.text[:200]}"
+                if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                    refusals += 1
+                    log.error(
+                        "registration refused (%d of %d): %s", refusals, REGISTER_REFUSALS, why
+                    )
+                    if refusals >= REGISTER_REFUSALS:
+                        state.failure = f"the gateway refused the registration: {why}"
+                        server.should_exit = True
+                        return
+                else:
+                    log.warning("registration attempt %d: %s", attempt, why)
             except (httpx.HTTPError, EngineUnavailable) as e:
-                log.warning("registration attempt %d with %s failed: %s", attempt, url, e)
+                (log.info if attempt == 1 else log.warning)(
+                    "registration attempt %d with %s failed (retrying): %s", attempt, url, e
+                )
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-    log.error("could not register with %s after %d attempts", url, REGISTER_ATTEMPTS)
+            delay = min(delay * 2, REGISTER_MAX_DELAY_S)
 
 
 async def _serve(config: WorkerConfig, role: Role) -> str | None:
@@ -450,7 +467,7 @@ async def _serve(config: WorkerConfig, role: Role) -> str | None:
         server.should_exit = stop.is_set()
         tasks.append(asyncio.create_task(_watch_engine(state, server)))
         if config.register:
-            tasks.append(asyncio.create_task(_register(config, server, engine)))
+            tasks.append(asyncio.create_task(_register(config, server, engine, state)))
         log.info(
             "serving HTTP on %s; request plane %s; bootstrap %s",
             config.url,

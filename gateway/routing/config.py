@@ -36,10 +36,17 @@ class RouterConfig:
     balance_rel_threshold: float = 2.0
     """... and more than this many times its outstanding tokens."""
 
+    max_requests_per_worker: int = 0
+    """Requests one worker gets at once; a full worker is passed over (and the
+    gateway's admission queue holds what no worker has room for). 0: no bound."""
+
     health_interval_s: float = 5.0
     """Seconds between two health checks of a worker."""
     health_timeout_s: float = 2.0
     """HTTP timeout of one /health or /server_info call."""
+    probe_interval_s: float = 0.5
+    """Seconds between two checks of a worker that is down (so it is back in
+    routing soon after it answers)."""
     unhealthy_after: int = 2
     """Failed health checks in a row that mark a worker unhealthy."""
 
@@ -70,7 +77,9 @@ class RouterConfig:
             ("balance_abs_threshold must be >= 0", self.balance_abs_threshold >= 0),
             ("balance_rel_threshold must be >= 1", self.balance_rel_threshold >= 1.0),
             ("health_interval_s must be > 0", self.health_interval_s > 0),
+            ("max_requests_per_worker must be >= 0", self.max_requests_per_worker >= 0),
             ("health_timeout_s must be > 0", self.health_timeout_s > 0),
+            ("probe_interval_s must be > 0", self.probe_interval_s > 0),
             ("unhealthy_after must be >= 1", self.unhealthy_after >= 1),
         ]
         for message, ok in checks:

@@ -57,20 +57,26 @@ class HealthChecker:
         try:
             await self.probe.health(worker.url)
             info = await self.probe.server_info(worker.url)
-            if info.get("role") != worker.role:
+            role = info.get("role")
+            if role != worker.role and not (
+                not worker.info and role in self.router.pool_for(worker.role).roles
+            ):
                 raise WorkerUnreachable(
                     f"now reports role {info.get('role')!r}, registered as {worker.role!r}"
                 )
         except (httpx.HTTPError, WorkerUnreachable) as e:
             self._failed(worker, f"{type(e).__name__}: {e}")
             return False
+        first = not worker.info
+        if first:  # listed before it ever answered: its own role counts
+            worker.role = info["role"]
         restarted = worker.info.get("started_at") not in (None, info.get("started_at"))
         worker.update_from_server_info(info)
         if restarted:
-            self.router.forget_cache(worker.url)
+            self.router.restarted(worker)
         worker.consecutive_failures = 0
         if not worker.healthy:
-            log.info("worker %s is healthy again", worker.url)
+            log.info("worker %s is %s", worker.url, "up" if first else "healthy again")
         worker.healthy = True
         return True
 
@@ -86,27 +92,32 @@ class HealthChecker:
                 error,
             )
 
-    async def check_all(self) -> None:
-        """Check every registered worker once, concurrently."""
-        workers = self.router.workers()
+    async def check_all(self, only_unhealthy: bool = False) -> None:
+        """Check every registered worker (or only the unhealthy ones) once,
+        concurrently."""
+        workers = [w for w in self.router.workers() if not (only_unhealthy and w.healthy)]
         if workers:
             await asyncio.gather(*(self.check_worker(w) for w in workers))
 
     async def _run(self) -> None:
+        # Healthy workers are checked every health_interval_s; a worker that is
+        # down (failed checks, a dropped connection, not up yet) every
+        # probe_interval_s, so it is back in routing soon after it answers.
         interval = self.config.health_interval_s
-        next_at = asyncio.get_running_loop().time()
+        probe = min(interval, self.config.probe_interval_s)
+        loop = asyncio.get_running_loop()
+        full_at = loop.time()
         while True:
             try:
-                await self.check_all()
+                full = loop.time() >= full_at
+                if full:
+                    full_at = loop.time() + interval
+                await self.check_all(only_unhealthy=not full)
                 for hook in self.after_round:
                     await hook()
             except Exception:  # never let one bad round end the loop
                 log.exception("health check round failed")
-            next_at += interval
-            now = asyncio.get_running_loop().time()
-            if next_at < now:  # a slow round: skip missed slots, no burst
-                next_at = now
-            await asyncio.sleep(next_at - now)
+            await asyncio.sleep(probe)
 
     async def start(self) -> None:
         if self.running:

@@ -33,6 +33,9 @@ class Policy(ABC):
     def forget(self, url: str) -> None:  # noqa: B027 (a stateless policy keeps nothing)
         """The worker at ``url`` left the pool (or restarted): drop its state."""
 
+    def routed(self, worker: WorkerInfo, token_ids: Sequence[int]) -> None:  # noqa: B027
+        """``worker`` was given the prompt by someone else (a breaker's trial)."""
+
 
 def least_loaded(workers: Iterable[WorkerInfo]) -> WorkerInfo | None:
     """Fewest outstanding tokens, then fewest outstanding requests, then first."""
@@ -82,14 +85,20 @@ class PowerOfTwoPolicy(Policy):
 
 
 class CacheAwarePolicy(Policy):
-    """Longest matched prefix wins, as long as the load is balanced.
+    """The cached prefix counts as work saved, the load as work to wait for.
 
-    Per worker an ``ApproxPrefixTree`` of the prompts routed to it. If the most
-    and least loaded candidates differ by more than ``balance_abs_threshold``
-    outstanding tokens and by more than ``balance_rel_threshold`` times, or the
-    best match covers less than ``cache_min_match_ratio`` of the prompt, the
-    least loaded worker is picked instead. Either way the prompt is recorded in
-    the picked worker's tree.
+    Per worker an ``ApproxPrefixTree`` of the prompts routed to it. The pick is
+    the worker where the prompt would finish first: least outstanding tokens
+    plus the part of the prompt it has not cached (then fewest outstanding
+    requests). An idle worker with nothing cached thus takes a prompt from a
+    worker that has it cached once that worker's queue is longer than what the
+    cache saves, so a restarted or newly added worker gets its share while
+    prompts that share a prefix still stick to one worker under light load.
+    If the most and least loaded candidates differ by more than
+    ``balance_abs_threshold`` outstanding tokens and by more than
+    ``balance_rel_threshold`` times, or the best match covers less than
+    ``cache_min_match_ratio`` of the prompt, the least loaded worker is picked.
+    Either way the prompt is recorded in the picked worker's tree.
     """
 
     name = "cache_aware"
@@ -133,7 +142,15 @@ class CacheAwarePolicy(Policy):
                 chosen = least_loaded(workers)
                 self.last_decision = "low_match"
             else:
-                chosen = least_loaded(w for r, w in ratios if r == best)
+                # Work until this prompt is done there: the queue plus the
+                # part of the prompt that is not cached.
+                _, chosen = min(
+                    ratios,
+                    key=lambda rw: (
+                        rw[1].outstanding_tokens + total * (1.0 - rw[0]),
+                        rw[1].outstanding_requests,
+                    ),
+                )
                 self.last_decision = "cache"
         assert chosen is not None
         self.tree(chosen.url).insert(keys=keys)
@@ -141,6 +158,9 @@ class CacheAwarePolicy(Policy):
 
     def forget(self, url: str) -> None:
         self.trees.pop(url, None)
+
+    def routed(self, worker: WorkerInfo, token_ids: Sequence[int]) -> None:
+        self.tree(worker.url).insert(keys=block_keys(token_ids, self.config.cache_block_tokens))
 
 
 PREFILL_POLICIES: dict[str, type[Policy]] = {

@@ -107,11 +107,34 @@ class Router:
         """The worker at ``url`` lost its prefix cache (restarted)."""
         self.prefill_policy.forget(normalize_url(url))
 
+    def restarted(self, worker: WorkerInfo) -> None:
+        """``worker`` is a new process at the same URL: it has an empty cache,
+        and the failures of the old one say nothing about it."""
+        self.forget_cache(worker.url)
+        worker.breaker = CircuitBreaker(
+            self.config.breaker_failure_threshold, self.config.breaker_cooldown_s, self.clock
+        )
+        log.info("worker %s restarted: prefix tree and circuit breaker reset", worker.url)
+
+    def mark_down(self, worker: WorkerInfo, reason: str) -> None:
+        """Passive health: ``worker`` failed in a way that proves it cannot take
+        requests now (its request-plane connection dropped): out of routing at
+        once, until a health check passes."""
+        worker.last_error = reason
+        if worker.healthy:
+            worker.healthy = False
+            log.warning("worker %s is out of routing: %s", worker.url, reason)
+
     # -- routing
 
-    @staticmethod
-    def is_available(worker: WorkerInfo) -> bool:
-        return worker.healthy and not worker.draining and worker.breaker.allows()
+    def is_available(self, worker: WorkerInfo) -> bool:
+        bound = self.config.max_requests_per_worker
+        return (
+            worker.healthy
+            and not worker.draining
+            and worker.breaker.allows()
+            and not (bound and worker.outstanding_requests >= bound)
+        )
 
     def available_prefill(self, exclude: Collection[str] = ()) -> list[WorkerInfo]:
         """Available prefill workers, leaving out the URLs in ``exclude``."""
@@ -130,10 +153,25 @@ class Router:
             and w.url not in exclude
         ]
 
+    @staticmethod
+    def _trial(candidates: Sequence[WorkerInfo]) -> WorkerInfo | None:
+        """A candidate whose breaker is half-open waits for one trial request to
+        close it: it gets the next request (a policy that prefers cached or
+        less loaded workers would otherwise never pick it)."""
+        for w in candidates:
+            if w.breaker.state == CircuitBreaker.HALF_OPEN:
+                return w
+        return None
+
     def pick_prefill(
         self, token_ids: Sequence[int], *, exclude: Collection[str] = ()
     ) -> WorkerInfo | None:
-        return self.prefill_policy.pick(self.available_prefill(exclude), token_ids)
+        candidates = self.available_prefill(exclude)
+        trial = self._trial(candidates)
+        if trial is not None:
+            self.prefill_policy.routed(trial, token_ids)
+            return trial
+        return self.prefill_policy.pick(candidates, token_ids)
 
     def pick_decode(
         self,
@@ -145,7 +183,7 @@ class Router:
         """A decode worker; ``with_prefill=True`` when a prefill worker will send
         it the prompt's KV (excludes role "both")."""
         candidates = self.available_decode(with_prefill=with_prefill, exclude=exclude)
-        return self.decode_policy.pick(candidates, token_ids)
+        return self._trial(candidates) or self.decode_policy.pick(candidates, token_ids)
 
     def should_skip_prefill(self, prompt_len: int, exclude: Collection[str] = ()) -> bool:
         """Whether to send the request straight to a decode worker, which then
