@@ -126,7 +126,7 @@ def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
     assert runners[0].graphs is None and runners[1].graphs is None
     assert runners[3].graphs is not None and runners[3].graphs.sizes == [1, 2, 4, 8]
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 37, 70, 50)]
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 37, 70, 50, 30)]
     ps = 16
     steps: list[list[ExtendSpec]] = []
     tables = []
@@ -151,9 +151,16 @@ def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
         steps.append(
             [
                 ExtendSpec([11 + k], len(p) + (1 + k if i < 3 else k), t)
-                for i, (p, t) in enumerate(zip(prompts, tables))
+                for i, (p, t) in enumerate(zip(prompts[:4], tables))
             ]
         )
+    # 4. Decoding rows first (the decode kernel), then a new prompt and one more
+    # decoding row after it (both on the prefill kernel).
+    steps.append(
+        [ExtendSpec([13], len(p) + 3, t) for p, t in zip(prompts[:2], tables[:2])]
+        + [ExtendSpec(prompts[4], 0, tables[4], "all")]
+        + [ExtendSpec([13], len(prompts[2]) + 3, tables[2])]
+    )
     for i, specs in enumerate(steps):
         ref, *outs = (r.forward_logits(build_forward_batch(specs, ps, "cuda:0")) for r in runners)
         scale = ref.abs().max().item()

@@ -145,6 +145,8 @@ class FlashInferAttention(AttentionBackend):
         self._next_slot = 0
         self._current: _PlanSlot | None = None
         self._wrapper: Any = None
+        self._num_decode_rows = 0
+        """Leading rows of a mixed batch that run on the decode kernel (0: none)."""
 
     # -- planning
 
@@ -201,16 +203,30 @@ class FlashInferAttention(AttentionBackend):
             indices=dev[0],
             last_page_len=dev[2],
         )
-        args, kwargs = self._plan_args(indptr, dev[0], last_len)
+        self._num_decode_rows = 0
         if batch.is_decode:
+            args, kwargs = self._plan_args(indptr, dev[0], last_len)
             slot.decode.plan(*args, **kwargs)
             self._wrapper = slot.decode
-        else:
-            qo_indptr = [0]
-            for n in batch.extend_lens:
-                qo_indptr.append(qo_indptr[-1] + n)
-            slot.prefill.plan(_host(qo_indptr), *args, causal=True, **kwargs)
-            self._wrapper = slot.prefill
+            return
+        # A mixed batch starts with its decoding requests (the scheduler puts
+        # them first). Those rows go to the decode kernel: the prefill kernel
+        # sizes its query tiles for the longest chunk, and one-token rows in
+        # such tiles cost several times what the decode kernel takes for them.
+        d = _leading_ones(batch.extend_lens)
+        split = indptr[d]
+        if d:
+            args, kwargs = self._plan_args(indptr[: d + 1], dev[0][:split], last_len[:d])
+            slot.decode.plan(*args, **kwargs)
+            self._num_decode_rows = d
+        qo_indptr = [0]
+        for n in batch.extend_lens[d:]:
+            qo_indptr.append(qo_indptr[-1] + n)
+        args, kwargs = self._plan_args(
+            [x - split for x in indptr[d:]], dev[0][split:], last_len[d:]
+        )
+        slot.prefill.plan(_host(qo_indptr), *args, causal=True, **kwargs)
+        self._wrapper = slot.prefill
 
     # -- CUDA graphs (decode only)
 
@@ -225,6 +241,7 @@ class FlashInferAttention(AttentionBackend):
         device_indices = _to_device([indices], self.pool.kv.device)[0]
         args, kwargs = self._plan_args(indptr, device_indices, last_len)
         wrapper.plan(*args, **kwargs)
+        self._num_decode_rows = 0
         index.positions.copy_(batch.positions)
         self._append = index
         self._wrapper = wrapper
@@ -247,7 +264,23 @@ class FlashInferAttention(AttentionBackend):
         )
         # q may be a strided view into the QKV projection: the kernels take its
         # row and head strides.
-        return self._wrapper.run(q, cache)
+        d = self._num_decode_rows
+        if not d:
+            return self._wrapper.run(q, cache)
+        out = q.new_empty(q.shape)
+        self._current.decode.run(q[:d], cache, out=out[:d])
+        self._wrapper.run(q[d:], cache, out=out[d:])
+        return out
+
+
+def _leading_ones(extend_lens: list[int]) -> int:
+    """How many rows at the start of a batch add one token each."""
+    d = 0
+    for n in extend_lens:
+        if n != 1:
+            break
+        d += 1
+    return d
 
 
 def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
