@@ -189,8 +189,9 @@ def start_gateway(
     cmd += ["--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
     cmd += ["--health-interval-s", str(HEALTH_INTERVAL_S), "--health-timeout-s", "1"]
     cmd += ["--worker-timeout-s", "30", "--log-level", "warning"]
+    env = {**os.environ, CLUSTER_TOKEN_ENV: WORKER_ENV[CLUSTER_TOKEN_ENV]}
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
 
 def wait_gateway(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
@@ -1283,7 +1284,9 @@ def test_short_prompts_skip_prefill(gw: Gateway, offline: Offline, tmp_path: Pat
     alone (it prefills them itself): no KV moves and the tokens are the same."""
     args = ["--prefill", gw.prefill.url, "--decode", gw.decode.url]
     args += ["--skip-prefill-threshold", "64", "--log-level", "warning"]
-    with launch_gateway(args, tmp_path / "gateway-skip.log", GATEWAY_START_TIMEOUT_S) as (url, _):
+    env = {CLUSTER_TOKEN_ENV: WORKER_ENV[CLUSTER_TOKEN_ENV]}
+    log_path = tmp_path / "gateway-skip.log"
+    with launch_gateway(args, log_path, GATEWAY_START_TIMEOUT_S, env) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         transfers = _transfers(gw.decode)
         for prompt in PROMPTS:

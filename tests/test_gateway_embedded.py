@@ -13,11 +13,14 @@ import openai
 import pytest
 from workers import launch_gateway, log_tail
 
+from worker.config import CLUSTER_TOKEN_ENV
+
 pytestmark = pytest.mark.e2e
 
 START_TIMEOUT_S = 120.0
 """The gateway plus two workers loading the model on a small CPU machine."""
 EXIT_TIMEOUT_S = 30.0
+TOKEN = "embedded-test-token"
 
 
 def _alive(pid: int) -> bool:
@@ -36,8 +39,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_embedded_default_serves_and_stops_cleanly(sig: signal.Signals, tmp_path: Path) -> None:
     log_path = tmp_path / "gateway.log"
-    with launch_gateway([], log_path, START_TIMEOUT_S, {"OMP_NUM_THREADS": "1"}) as (url, proc):
-        workers = httpx.get(f"{url}/admin/workers", timeout=10).json()["workers"]
+    env = {"OMP_NUM_THREADS": "1", CLUSTER_TOKEN_ENV: TOKEN}
+    with launch_gateway([], log_path, START_TIMEOUT_S, env) as (url, proc):
+        # The embedded workers take the given cluster token, which is also the
+        # admin key (the admin API is never open).
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(f"{url}/admin/workers", timeout=10).status_code == 401
+        workers = httpx.get(f"{url}/admin/workers", headers=headers, timeout=10).json()["workers"]
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
         pids = []
         for w in workers:

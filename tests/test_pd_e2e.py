@@ -38,6 +38,7 @@ from workers import Worker, dump_log, free_port, launch_worker, launch_workers, 
 from engine.llm import LLM
 from kvtransfer.nixl import nixl_available
 from prefill_server.scheduler import PREFILL_DONE
+from protocol.auth import keys_for
 from protocol.client import WorkerClient, WorkerDisconnected, WorkerError
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
@@ -371,9 +372,14 @@ async def pd_request(
 
 def clients(p: Worker, d: Worker) -> tuple[WorkerClient, WorkerClient]:
     return (
-        WorkerClient(p.endpoint, timeout_s=CLIENT_TIMEOUT_S),
-        WorkerClient(d.endpoint, timeout_s=CLIENT_TIMEOUT_S),
+        WorkerClient(p.endpoint, timeout_s=CLIENT_TIMEOUT_S, auth=keys_for(token_of(p))),
+        WorkerClient(d.endpoint, timeout_s=CLIENT_TIMEOUT_S, auth=keys_for(token_of(d))),
     )
+
+
+def token_of(w: Worker) -> str:
+    """The cluster token ``w`` was started with (its request plane takes only it)."""
+    return "wrong" if w.name == "decode-bad-token" else TOKEN
 
 
 async def wait_stats(

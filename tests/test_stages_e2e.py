@@ -35,6 +35,7 @@ from gateway.routing import HealthChecker, Router, RouterConfig
 from gateway.stages import RequestTrace, StageMetrics
 from gateway.state import GatewayState
 from protocol import stages as st
+from protocol.auth import keys_for
 from worker.cli import CLUSTER_TOKEN_ENV
 
 pytestmark = pytest.mark.e2e
@@ -100,11 +101,11 @@ def _spec(log_dir: Path, name: str, module: str, role: str, model_dir: str, *fla
 @contextlib.contextmanager
 def in_process_gateway(prefill: list[str], decode: list[str]) -> Iterator[tuple[str, Any]]:
     """The gateway app over these workers, served by uvicorn in a thread."""
-    config = GatewayConfig(prefill=tuple(prefill), decode=tuple(decode))
+    token = WORKER_ENV[CLUSTER_TOKEN_ENV]
+    config = GatewayConfig(prefill=tuple(prefill), decode=tuple(decode), cluster_token=token)
     router = Router(RouterConfig())
-    state = GatewayState(
-        config, router, HealthChecker(router), Dispatcher(router, config.worker_timeout_s)
-    )
+    dispatcher = Dispatcher(router, config.worker_timeout_s, auth=keys_for(token))
+    state = GatewayState(config, router, HealthChecker(router), dispatcher)
     recording = RecordingStages()
     state.metrics.stages = recording
     port = free_port()

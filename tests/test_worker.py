@@ -34,6 +34,7 @@ from workers import (
 
 from engine.llm import LLM
 from protocol import to_gateway, to_worker
+from protocol.auth import keys_for, secure_client
 from protocol.client import (
     WorkerClient,
     WorkerClientClosed,
@@ -49,6 +50,9 @@ from worker.cli import CLUSTER_TOKEN_ENV
 pytestmark = pytest.mark.e2e
 
 VOCAB = 512
+TOKEN = "s3cret"
+"""The module worker's cluster token: its request plane takes only its CURVE keys."""
+AUTH = keys_for(TOKEN)
 ENGINE = dict(
     page_size=4,
     num_pages=300,
@@ -110,7 +114,7 @@ def worker(
     cmd = worker_cmd("decode_server", model_dir, port, register=gateway.url, **ENGINE)
     failed_before = request.session.testsfailed
     try:
-        with launch_worker(cmd, port, log_path, {CLUSTER_TOKEN_ENV: "s3cret"}) as w:
+        with launch_worker(cmd, port, log_path, {CLUSTER_TOKEN_ENV: TOKEN}) as w:
             yield w
     finally:
         if request.session.testsfailed > failed_before:
@@ -235,7 +239,7 @@ def test_concurrent_greedy_matches_offline(worker: Worker, offline: LLM) -> None
     )
 
     async def go() -> list[list[TokenDelta]]:
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             return await asyncio.gather(
                 *(
                     collect(client, Generate(f"cc-{i}", p, s))
@@ -254,7 +258,7 @@ def test_concurrent_greedy_matches_offline(worker: Worker, offline: LLM) -> None
 
 def test_streaming_arrives_in_several_deltas(worker: Worker) -> None:
     async def go() -> list[TokenDelta]:
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             return await collect(client, Generate("stream-1", [5, 6, 7, 8, 9], greedy(12)))
 
     deltas = run(go())
@@ -270,7 +274,7 @@ def test_prefix_cache_hits_are_reported(worker: Worker) -> None:
     before = worker.stats()["prefix_cache_hit_tokens"]
 
     async def go() -> list[TokenDelta]:
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             await collect(client, Generate("pc-1", prefix + [11, 12], greedy(4)))
             return await collect(client, Generate("pc-2", prefix + [13, 14, 15], greedy(4)))
 
@@ -290,7 +294,7 @@ def test_prefix_cache_hits_are_reported(worker: Worker) -> None:
 def test_abort_mid_request(worker: Worker) -> None:
     async def go() -> list[TokenDelta]:
         got: list[TokenDelta] = []
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             async for d in client.generate(Generate("abort-1", [3, 4, 5, 6], greedy(100))):
                 got.append(d)
                 if len(got) == 2:
@@ -308,7 +312,7 @@ def test_closing_the_iterator_aborts_the_request(worker: Worker) -> None:
     aborted = worker.stats()["requests_aborted_total"]
 
     async def go() -> None:
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             stream = client.generate(Generate("close-it-1", [3, 4, 5, 6, 7], greedy(100)))
             async for _ in stream:
                 break
@@ -328,7 +332,7 @@ def test_client_that_disconnects_mid_request(worker: Worker) -> None:
     aborted = worker.stats()["requests_aborted_total"]
 
     async def go() -> None:
-        client = WorkerClient(worker.endpoint, timeout_s=30)
+        client = WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH)
         await client.start()
         got: list[TokenDelta] = []
 
@@ -352,7 +356,7 @@ def test_client_that_disconnects_mid_request(worker: Worker) -> None:
 
     # The worker still serves.
     async def again() -> list[TokenDelta]:
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             return await collect(client, Generate("gone-2", [3, 4], greedy(3)))
 
     assert len(tokens_of(run(again()))) == 3
@@ -362,6 +366,7 @@ def test_requester_that_vanishes_without_abort(worker: Worker) -> None:
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
+        secure_client(sock, AUTH)
         sock.connect(worker.endpoint)
         sock.send(to_worker.encoder.encode(Generate("vanish-1", [3, 4, 5], greedy(30))))
         assert sock.poll(10_000), "no first delta"
@@ -389,7 +394,7 @@ def test_invalid_request_gives_error_delta(
     worker: Worker, prompt: list[int], spec: SamplingParams, message: str
 ) -> None:
     async def go() -> list[TokenDelta]:
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             return await collect(client, Generate(f"bad-{message}", prompt, spec))
 
     deltas = run(go())
@@ -416,6 +421,7 @@ def test_out_of_range_sampling_gives_error_delta(
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
+        secure_client(sock, AUTH)
         sock.linger = 0
         sock.connect(worker.endpoint)
         rid = f"bad-{message}"
@@ -432,7 +438,7 @@ def test_out_of_range_sampling_gives_error_delta(
 
 def test_prefill_message_to_role_both_is_an_error(worker: Worker) -> None:
     async def go() -> list[TokenDelta]:
-        async with WorkerClient(worker.endpoint, timeout_s=30) as client:
+        async with WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as client:
             msg = Prefill("pf-1", [3, 4, 5], greedy(4), "room-1", "tcp://127.0.0.1:1")
             return await collect(client, msg)
 
@@ -444,8 +450,8 @@ def test_prefill_message_to_role_both_is_an_error(worker: Worker) -> None:
 def test_duplicate_rid_while_running(worker: Worker) -> None:
     async def go() -> tuple[list[TokenDelta], list[TokenDelta]]:
         async with (
-            WorkerClient(worker.endpoint, timeout_s=30) as a,
-            WorkerClient(worker.endpoint, timeout_s=30) as b,
+            WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as a,
+            WorkerClient(worker.endpoint, timeout_s=30, auth=AUTH) as b,
         ):
             first: list[TokenDelta] = []
             second: list[TokenDelta] = []
@@ -472,6 +478,7 @@ def test_malformed_frames_are_ignored_or_answered(worker: Worker) -> None:
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
+        secure_client(sock, AUTH)
         sock.linger = 0
         sock.connect(worker.endpoint)
         sock.send(b"\x00not msgpack at all")
