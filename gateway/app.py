@@ -47,9 +47,19 @@ from gateway.openai import (
     sse_stream,
     stop_strings,
 )
+from gateway.openai.structured import (
+    Constraint,
+    first_event_checked,
+    one_constraint,
+    response_format_grammar,
+    structured_outputs_grammar,
+    with_grammar,
+)
+from gateway.openai.tools import ToolPlan, plan_tools, template_messages, tool_call_events
 from gateway.routing import WorkerError, normalize_url
 from gateway.stages import RequestTrace
 from gateway.state import GatewayState
+from gateway.text.tool_parsers import parser_for_template
 from protocol.roles import ROLES
 
 RECEIVED_AT = "received_at"
@@ -350,7 +360,10 @@ def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
         assert state.tokenizer is not None
         prompts = completion_prompts(req.prompt, state.tokenizer, state.vocab_size)
         await _admit(state, request, req, prompts)
-        return await _generate(state, req, prompts, CompletionShape, _received(request))
+        constraint = Constraint(
+            structured_outputs_grammar(req.structured_outputs), "structured_outputs"
+        )
+        return await _generate(state, req, prompts, CompletionShape, _received(request), constraint)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
@@ -360,12 +373,22 @@ def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
         msgs = [m.model_dump(exclude_none=True) for m in req.messages]
         if not msgs:
             raise APIError(400, "messages must not be empty", param="messages")
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        constraint = one_constraint(
+            Constraint(response_format_grammar(req.response_format), "response_format"),
+            Constraint(structured_outputs_grammar(req.structured_outputs), "structured_outputs"),
+            tools.constraint,
+        )
         try:
-            ids = state.tokenizer.chat_ids(msgs, add_generation_prompt=req.add_generation_prompt)
+            ids = state.tokenizer.chat_ids(
+                template_messages(msgs),
+                add_generation_prompt=req.add_generation_prompt,
+                tools=tools.tools,
+            )
         except ValueError as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         await _admit(state, request, req, [ids])
-        return await _generate(state, req, [ids], ChatShape, _received(request))
+        return await _generate(state, req, [ids], ChatShape, _received(request), constraint, tools)
 
 
 async def _ready(state: GatewayState) -> None:
@@ -420,9 +443,13 @@ async def _generate(
     prompts: list[list[int]],
     shape_type: type[ResponseShape],
     received: float | None = None,
+    constraint: Constraint = Constraint(),
+    tools: ToolPlan = ToolPlan(),
 ) -> Response:
     """``req.n`` choices per prompt, as one response of ``shape_type``'s shape;
-    ``received``: when the request came in (the prompts are tokenized now)."""
+    ``received``: when the request came in (the prompts are tokenized now);
+    ``constraint``: the grammar of every choice; ``tools``: how tool calls
+    are found in the text."""
     tokenized = time.monotonic()
     cfg, tokenizer = state.config, state.tokenizer
     assert tokenizer is not None
@@ -447,12 +474,23 @@ async def _generate(
             specs.append(
                 sampling_params(req, max_tokens, choice_seed(req.seed, i), shape.top_k or 0)
             )
+    if constraint.grammar is not None:
+        specs = [with_grammar(s, constraint.grammar) for s in specs]
     rid = shape.id_prefix + secrets.token_hex(12)
     traces = [RequestTrace(received or tokenized, tokenized) for _ in specs]
+    error_params = {"grammar": constraint.param} if constraint.param else None
     gens = [
-        choice_stream(state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}", traces[i])
+        choice_stream(
+            state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}", traces[i], error_params
+        )
         for i, (ids, spec) in enumerate(zip(choice_prompts, specs))
     ]
+    if tools.mode != "none":
+        tool_format = parser_for_template(tokenizer.chat_template_text)
+        gens = [tool_call_events(g, tools.parser(tool_format)) for g in gens]  # type: ignore[misc]
+    if req.stream and constraint.grammar is not None:
+        # A grammar the workers refuse is a 400, not an error inside a 200 stream.
+        gens[0] = await first_event_checked(gens[0], cfg.request_timeout_s)
     started = time.monotonic()
     state.metrics.requests.inc(shape.endpoint)
     ctx = ResponseContext(
