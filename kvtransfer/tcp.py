@@ -20,6 +20,15 @@ ROUTER on the receiver side; both served by one background I/O thread):
   seconds fails its transfers, and its socket is dropped (with whatever it still
   queued) so no stale bytes land later.
 
+With a cluster token, every connection must first prove it holds the token
+before the receiver takes a transfer message from it: the writer sends
+``Hello(writer)``, the receiver answers ``Challenge(nonce)`` (fresh per
+connection), the writer answers ``Auth(HMAC(token, nonce, writer))`` and gets
+``Welcome``. Transfer messages of a connection that did not pass (a rogue
+writer, even one that learnt the receiver's metadata) are refused unwritten.
+The receiver tells connections apart by their ZMQ routing ids, which it
+assigns itself per connection, so a reconnect must authenticate again.
+
 Source bytes are read from the registered buffer by the I/O thread while the
 transfer runs (zero-copy for CPU buffers): as with RDMA, the caller must leave
 the source pages alone until ``poll`` reports DONE or FAILED.
@@ -45,6 +54,7 @@ import torch
 import zmq
 
 from kvtransfer.backend import ByteRange, TransferBackend, TransferError, TransferState
+from kvtransfer.compat import sign, verify
 from kvtransfer.layout import buffer_nbytes, check_ranges
 
 logger = logging.getLogger(__name__)
@@ -80,16 +90,37 @@ class _Data(msgspec.Struct, tag="d", array_like=True):
     pieces: list[tuple[int, int]]  # (dst_offset, nbytes)
 
 
-class _Reply(msgspec.Struct, array_like=True):
+class _Hello(msgspec.Struct, tag="h", array_like=True):
+    writer: str
+
+
+class _Auth(msgspec.Struct, tag="a", array_like=True):
+    mac: str
+    """HMAC of (label, the receiver's nonce, the writer) under the cluster token."""
+
+
+class _Reply(msgspec.Struct, tag="r", array_like=True):
     xfer: int
     nbytes: int
     error: str | None = None
+    unauthenticated: bool = False
+    """Refused because the connection has not authenticated: the writer drops
+    its socket, and its next write starts a new handshake."""
 
 
+class _Challenge(msgspec.Struct, tag="c", array_like=True):
+    nonce: str
+
+
+class _Welcome(msgspec.Struct, tag="w", array_like=True):
+    pass
+
+
+_AUTH_LABEL = "kvtcp-auth-v1"
 _encode = msgspec.msgpack.Encoder().encode
 _decode_meta = msgspec.msgpack.Decoder(TcpMetadata).decode
-_decode_msg = msgspec.msgpack.Decoder(_Begin | _Data).decode
-_decode_reply = msgspec.msgpack.Decoder(_Reply).decode
+_decode_msg = msgspec.msgpack.Decoder(_Begin | _Data | _Hello | _Auth).decode
+_decode_reply = msgspec.msgpack.Decoder(_Reply | _Challenge | _Welcome).decode
 
 
 class _ByteBuffer:
@@ -164,6 +195,8 @@ class _Peer:
     sock: zmq.Socket | None = None
     xfers: deque[_Xfer] = field(default_factory=deque)
     deadline: float = 0.0
+    authed: bool = False
+    """The connection passed the cluster-token handshake (or none is needed)."""
 
 
 class TcpBackend(TransferBackend):
@@ -188,8 +221,11 @@ class TcpBackend(TransferBackend):
         timeout: float = DEFAULT_TIMEOUT_S,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         window: int = DEFAULT_WINDOW,
+        cluster_token: str | None = None,
     ) -> None:
         super().__init__(agent_name)
+        self.cluster_token = cluster_token or None
+        """Connections must prove they hold it (None: no handshake, open)."""
         if chunk_bytes <= 0 or window <= 0 or timeout <= 0:
             raise ValueError("chunk_bytes, window and timeout must be > 0")
         self.host = host
@@ -408,6 +444,9 @@ class _IoLoop:
         self.rx_token: str | None = None
         # (writer, xfer) -> bytes still expected, or -1 when the transfer was refused
         self.rx_xfers: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # connection (routing id) -> its challenge, until it authenticates
+        self.rx_nonces: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
+        self.rx_authed: OrderedDict[bytes, None] = OrderedDict()
         # writer side
         self.peers: dict[str, _Peer] = {}
         self.by_sock: dict[zmq.Socket, _Peer] = {}
@@ -501,9 +540,37 @@ class _IoLoop:
             except (msgspec.DecodeError, IndexError):
                 logger.warning("%s: dropped a malformed transfer message", self.b.agent_name)
                 continue
-            reply = self._receive(msg, [f.buffer for f in frames[2:]])
+            if isinstance(msg, (_Hello, _Auth)):
+                reply = self._authenticate(ident, msg)
+            elif self.b.cluster_token is not None and ident not in self.rx_authed:
+                logger.warning(
+                    "%s: refused a transfer message from an unauthenticated connection",
+                    self.b.agent_name,
+                )
+                reply = _Reply(msg.xfer, 0, "refused: the connection has not authenticated", True)
+            else:
+                reply = self._receive(msg, [f.buffer for f in frames[2:]])
             if reply is not None:
                 self.router.send_multipart([ident, _encode(reply)], zmq.NOBLOCK)
+
+    def _authenticate(self, ident: bytes, msg: _Hello | _Auth) -> _Challenge | _Welcome | _Reply:
+        token = self.b.cluster_token
+        if isinstance(msg, _Hello):
+            if token is None:
+                return _Welcome()
+            nonce = os.urandom(16).hex()
+            self.rx_nonces[ident] = (nonce, msg.writer)
+            while len(self.rx_nonces) > _MAX_REMEMBERED_XFERS:
+                self.rx_nonces.popitem(last=False)
+            return _Challenge(nonce)
+        pending = self.rx_nonces.pop(ident, None)
+        if token is None or (pending is not None and verify(token, msg.mac, _AUTH_LABEL, *pending)):
+            self.rx_authed[ident] = None
+            while len(self.rx_authed) > _MAX_REMEMBERED_XFERS:
+                self.rx_authed.popitem(last=False)
+            return _Welcome()
+        logger.warning("%s: a writer failed the cluster-token handshake", self.b.agent_name)
+        return _Reply(-1, 0, "refused: cluster token mismatch", True)
 
     def _receive(self, msg: _Begin | _Data, payloads: list[memoryview]) -> _Reply | None:
         key = (msg.writer, msg.xfer)
@@ -583,6 +650,9 @@ class _IoLoop:
             self.poller.register(sock, zmq.POLLIN)
             self.by_sock[sock] = peer
             peer.sock = sock
+            peer.authed = self.b.cluster_token is None
+            if not peer.authed:
+                sock.send(_encode(_Hello(self.b._writer_id)), zmq.NOBLOCK)
         return peer.sock
 
     def _drop_socket(self, peer: _Peer) -> None:
@@ -591,11 +661,14 @@ class _IoLoop:
             self.by_sock.pop(peer.sock, None)
             peer.sock.close(linger=0)
             peer.sock = None
+            peer.authed = False
 
     def _pump(self, name: str, peer: _Peer) -> None:
         if not peer.xfers:
             return
         sock = self._socket(peer)
+        if not peer.authed:
+            return  # nothing goes out before the handshake is through
         window = self.b.window
         inflight = sum(x.inflight for x in peer.xfers)
         writer, token = self.b._writer_id, peer.meta.token
@@ -629,6 +702,21 @@ class _IoLoop:
                 reply = _decode_reply(raw)
             except msgspec.DecodeError:
                 continue
+            if isinstance(reply, _Challenge):
+                token = self.b.cluster_token or ""
+                mac = sign(token, _AUTH_LABEL, reply.nonce, self.b._writer_id)
+                peer.sock.send(_encode(_Auth(mac)), zmq.NOBLOCK)
+                peer.deadline = time.monotonic() + self.b.timeout
+                continue
+            if isinstance(reply, _Welcome):
+                peer.authed = True
+                peer.deadline = time.monotonic() + self.b.timeout
+                continue
+            if reply.unauthenticated:
+                name = next((n for n, p in self.peers.items() if p is peer), "?")
+                self._fail_peer(name, peer, reply.error or "refused")
+                self._drop_socket(peer)  # the next write authenticates anew
+                return
             xfer = self.active.get(reply.xfer)
             if xfer is None or self.peers.get(xfer.peer) is not peer:
                 continue  # a transfer that already ended

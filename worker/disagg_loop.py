@@ -107,6 +107,7 @@ class DisaggLoop(WorkerLoop, Generic[RoomT, PlaneT]):
             self.role,
             self.config.host,
             timeout=write_timeout_s,
+            cluster_token=self.config.cluster_token,
         )
 
     def _kv_compat(self) -> dict[str, str]:

@@ -42,12 +42,21 @@ def _model_id(model: str) -> str:
 
 
 def kv_backend(
-    engine: Engine, backend_name: str, role: str, host: str, timeout: float | None = None
+    engine: Engine,
+    backend_name: str,
+    role: str,
+    host: str,
+    timeout: float | None = None,
+    cluster_token: str | None = None,
 ) -> TransferBackend:
     """The KV transfer backend over ``engine``'s pool. ``timeout``: how long a
     write may take before the backend fails it (None: the backend's default);
-    the writing (prefill) side passes its ``transfer_timeout_s``."""
-    kwargs: dict[str, object] = {"host": host} if backend_name == "tcp" else {}
+    the writing (prefill) side passes its ``transfer_timeout_s``.
+    ``cluster_token``: the tcp data channel takes writes only from connections
+    that prove they hold it."""
+    kwargs: dict[str, object] = {}
+    if backend_name == "tcp":
+        kwargs = {"host": host, "cluster_token": cluster_token}
     if timeout is not None:
         kwargs["timeout"] = timeout
     # Agent names must be unique across the cluster (NIXL keys peers by them).
