@@ -47,6 +47,7 @@ from gateway.openai import (
     sse_stream,
     stop_strings,
 )
+from gateway.openai.prompt_scoring import prompt_only
 from gateway.openai.structured import (
     Constraint,
     first_event_checked,
@@ -56,6 +57,7 @@ from gateway.openai.structured import (
     with_grammar,
 )
 from gateway.openai.tools import ToolPlan, plan_tools, template_messages, tool_call_events
+from gateway.openai.validation import scores_prompt_only
 from gateway.routing import WorkerError, normalize_url
 from gateway.stages import RequestTrace
 from gateway.state import GatewayState
@@ -145,6 +147,13 @@ def _validation_error(err: dict[str, Any]) -> APIError:
         reason = (err.get("ctx") or {}).get("error") or "invalid JSON"
         return APIError(400, f"the request body is not valid JSON{where}: {reason}")
     param = loc[0] if loc and isinstance(loc[0], str) else None
+    if err.get("type") == "extra_forbidden" and len(loc) == 1:
+        return APIError(
+            400,
+            f"unrecognized request argument: {param} (this server does not support it; "
+            "see the README's table of request fields)",
+            param=param,
+        )
     message = f"{'.'.join(str(x) for x in loc) or 'body'}: {err.get('msg', 'invalid')}"
     if param in _UNION_FIELDS:
         message = f"{param} must be {_UNION_FIELDS[param]} ({message})"
@@ -300,6 +309,11 @@ def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.context_length)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        _check_model(state, model_id)
+        return ModelCard(id=state.model_name, max_model_len=state.context_length)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -471,8 +485,9 @@ async def _generate(
         )
         for i in range(req.n):
             choice_prompts.append(ids)
+            seed = choice_seed(req.seed, i)
             specs.append(
-                sampling_params(req, max_tokens, choice_seed(req.seed, i), shape.top_k or 0)
+                sampling_params(req, max_tokens, seed, shape.top_k or 0, state.vocab_size)
             )
     if constraint.grammar is not None:
         specs = [with_grammar(s, constraint.grammar) for s in specs]
@@ -485,6 +500,8 @@ async def _generate(
         )
         for i, (ids, spec) in enumerate(zip(choice_prompts, specs))
     ]
+    if scores_prompt_only(req):
+        gens = [prompt_only(g) for g in gens]  # type: ignore[misc]
     if tools.mode != "none":
         tool_format = parser_for_template(tokenizer.chat_template_text)
         gens = [tool_call_events(g, tools.parser(tool_format)) for g in gens]  # type: ignore[misc]

@@ -230,8 +230,9 @@ def _bad_integer_fields(vocab: int) -> list[tuple[str, dict[str, Any], str]]:
         ("completions", {"stop_token_ids": [vocab]}, "stop_token_ids"),
         ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
         ("chat", {"stop_token_ids": [2**64]}, "stop_token_ids"),
-        # Seeds: non-negative, at most 2**64 - 1.
-        ("completions", {"seed": -1}, "seed"),
+        # Seeds: int64, as OpenAI takes them.
+        ("completions", {"seed": 2**63}, "seed"),
+        ("completions", {"seed": -(2**63) - 1}, "seed"),
         ("completions", {"seed": 2**64}, "seed"),
         ("chat", {"seed": 10**30}, "seed"),
         # Counts and limits.
@@ -278,7 +279,9 @@ def test_edges_of_the_integer_ranges_are_accepted(app: App) -> None:
     top = app.vocab - 1
     for fields in (
         {"seed": 0},
-        {"seed": 2**64 - 1},
+        {"seed": -1},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
         {"prompt": [0, top], "stop_token_ids": [0, top]},
         {"top_k": 2**64 - 1},
         {"n": 16, "logprobs": 20},
@@ -291,11 +294,10 @@ def test_edges_of_the_integer_ranges_are_accepted(app: App) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 1
     # Seeds keep their meaning: the n choices of seed s are seeds s, s+1, ...
+    # wrapping around within int64.
     app.dispatcher.seen.clear()
-    assert app.complete(**{**GOOD_COMPLETION, "seed": 2**64 - 1, "n": 2}).status_code == 200
-    assert sorted(p.seed for p in app.dispatcher.seen) == sorted(
-        [(2**64 - 1) % (1 << 63), 2**64 % (1 << 63)]
-    )
+    assert app.complete(**{**GOOD_COMPLETION, "seed": 2**63 - 1, "n": 2}).status_code == 200
+    assert sorted(p.seed for p in app.dispatcher.seen) == [-(2**63), 2**63 - 1]
 
 
 def test_worker_vocab_bounds_token_ids(app: App) -> None:
@@ -393,7 +395,8 @@ def test_sampling_params_refuse_what_the_wire_cannot_carry() -> None:
     for fields, param in (
         ({"max_tokens": WIRE_INT_MAX + 1}, "max_tokens"),
         ({"top_k": WIRE_INT_MAX + 1}, "top_k"),
-        ({"seed": WIRE_INT_MAX + 1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"stop_token_ids": [1, WIRE_INT_MAX + 1]}, "stop_token_ids"),
     ):
         with pytest.raises(InvalidSamplingParams) as e:
@@ -402,7 +405,7 @@ def test_sampling_params_refuse_what_the_wire_cannot_carry() -> None:
     edge = SamplingParams(
         max_tokens=WIRE_INT_MAX,
         top_k=WIRE_INT_MAX,
-        seed=WIRE_INT_MAX,
+        seed=-(2**63),
         stop_token_ids=[WIRE_INT_MAX],
     )
     msg = to_worker.Generate("r", [1], edge)

@@ -20,6 +20,8 @@ from protocol.to_gateway import TokenDelta
 
 TopLogprobs = list[list[tuple[int, float]]] | None
 """Per token, the most likely (token id, logprob) pairs (None: not asked for)."""
+PromptLogprobs = tuple[list[float], list[list[tuple[int, float]]]]
+"""The logprob of each prompt token but the first, and its alternatives."""
 
 
 class ChoiceEvent(NamedTuple):
@@ -32,6 +34,9 @@ class ChoiceEvent(NamedTuple):
     tool_calls: list[dict[str, Any]] | None = None
     """Tool calls completed by this event, in OpenAI's streamed form (each
     with its ``index`` in the choice); see ``gateway.openai.tools``."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On the first event, when asked for: the prompt's logprobs (see
+    ``gateway.openai.prompt_scoring``)."""
 
 
 async def choice_stream(
@@ -81,6 +86,7 @@ async def choice_stream(
                         "stop",
                         delta.num_cached_tokens,
                         tops[:kept] if tops is not None else None,
+                        prompt_logprobs=_prompt_logprobs(delta),
                     )
                     return  # leaving the stream aborts the request on the workers
                 if finish is not None:
@@ -92,6 +98,7 @@ async def choice_stream(
                 finish,
                 delta.num_cached_tokens,
                 delta.top_logprobs,
+                prompt_logprobs=_prompt_logprobs(delta),
             )
             if finish is not None:
                 return
@@ -103,6 +110,12 @@ async def choice_stream(
         ) from None
     finally:
         await stream.aclose()
+
+
+def _prompt_logprobs(delta: TokenDelta) -> PromptLogprobs | None:
+    if delta.prompt_logprobs is None:
+        return None
+    return delta.prompt_logprobs, delta.prompt_top_logprobs or []
 
 
 def _through_stops(

@@ -16,9 +16,10 @@ field no number or string. A float field still takes an integer."""
 
 
 class _Request(BaseModel):
-    # Unknown fields are accepted and ignored, as the OpenAI API does for
-    # forward compatibility of clients.
-    model_config = ConfigDict(extra="allow", **_STRICT)
+    # Unknown fields are refused (a 400 naming the field), as the OpenAI API
+    # does: a parameter that was silently ignored would give a client wrong
+    # results without an error. README's table lists every field.
+    model_config = ConfigDict(extra="forbid", **_STRICT)
 
     model: str
     max_tokens: int | None = None
@@ -36,6 +37,17 @@ class _Request(BaseModel):
     user: str | None = None
     return_token_ids: bool = False
     """Extension: the response carries prompt_token_ids and each choice's token_ids."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (a string: JSON object keys are) -> bias in [-100, 100]."""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    """Extension (HF/vLLM): in (0, 2], 1 is off; covers prompt and output tokens."""
+    metadata: dict[str, str] | None = None
+    """Accepted and ignored on purpose, as ``user``, ``store`` and
+    ``service_tier``: they ask nothing of the generation."""
+    store: bool | None = None
+    service_tier: str | None = None
     structured_outputs: dict[str, Any] | None = None
     """Extension (vLLM's name): one of json, json_object, regex, choice,
     grammar, structural_tag (``gateway.openai.structured``)."""
@@ -70,6 +82,10 @@ class CompletionRequest(_Request):
     prompt: Prompt
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    """Only ``n`` (or unset): ranking more samples than are returned is not served."""
+    suffix: str | None = None
+    """Only empty (or unset): insertion is not served."""
 
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from gateway.openai.choices import ChoiceEvent, join_events
+from gateway.openai.prompt_scoring import with_prompt_logprobs
 from gateway.openai.shapes import ResponseShape
 
 
@@ -74,9 +75,9 @@ def full_response(ctx: ResponseContext, results: list[list[ChoiceEvent]]) -> dic
         )
         prefix = shape.prompt_text(ids)
         calls = [c for e in events for c in e.tool_calls or ()]
-        choice = shape.choice(
-            index, prefix + text, shape.logprobs(toks, lps, tops, len(prefix)), finish, calls
-        )
+        logprobs = shape.logprobs(toks, lps, tops, len(prefix))
+        logprobs = with_prompt_logprobs(shape, ids, events, logprobs)
+        choice = shape.choice(index, prefix + text, logprobs, finish, calls)
         if ctx.return_token_ids:
             choice["token_ids"] = toks
         choices.append(choice)

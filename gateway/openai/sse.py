@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from gateway.metrics import GatewayMetrics, RequestTiming
 from gateway.openai.choices import ChoiceEvent, choice_events, join_events, until
 from gateway.openai.errors import APIError, internal_error, request_timeout
+from gateway.openai.prompt_scoring import wants_prompt_logprobs, with_prompt_logprobs
 from gateway.openai.responses import ResponseContext, now, usage
 from gateway.stages import RequestTrace
 from protocol.stages import FIRST_BYTE_WRITTEN
@@ -81,6 +82,9 @@ class StreamWriter:
         self.created = now()
         self.choices = [_ChoiceProgress() for _ in ctx.choice_prompts]
         self._plain = ctx.shape.top_k is None and not ctx.return_token_ids
+        self._prompt_logprobs = wants_prompt_logprobs(ctx.shape)
+        """The echoed prompt waits for its logprobs (``prompt_chunk``)."""
+        self._prompt_written: set[int] = set()
         """Whether a chunk can be text alone (else every chunk has more)."""
         self._templates: dict[int, tuple[str, str]] = {}
 
@@ -114,8 +118,20 @@ class StreamWriter:
             text = self.ctx.shape.prompt_text(ids)
             self.choices[i].text_offset = len(text)
             choice = self.ctx.shape.opening_choice(i, text)
-            if choice is not None:
+            if choice is not None and not self._prompt_logprobs:
                 yield self.chunk([choice])
+
+    def prompt_chunk(self, i: int, ev: ChoiceEvent) -> str | None:
+        """The echoed prompt of choice ``i`` with its logprobs, which come with
+        the choice's first event (None: not due, or already written)."""
+        if not self._prompt_logprobs or i in self._prompt_written:
+            return None
+        self._prompt_written.add(i)
+        ids = self.ctx.choice_prompts[i]
+        choice = self.ctx.shape.opening_choice(i, self.ctx.shape.prompt_text(ids))
+        assert choice is not None
+        choice["logprobs"] = with_prompt_logprobs(self.ctx.shape, ids, [ev], None)
+        return self.chunk([choice])
 
     def event(self, i: int, ev: ChoiceEvent) -> str | None:
         """The chunk of choice ``i``'s event ``ev`` (None: held back)."""
@@ -181,6 +197,9 @@ async def sse_stream(
         async with contextlib.aclosing(choice_events(gens)) as merged:
             async for i, ev in until(merged, started + timeout_s):
                 timing.observe(i, len(ev.token_ids))
+                prompt = writer.prompt_chunk(i, ev)
+                if prompt is not None:
+                    yield prompt
                 chunk = writer.event(i, ev)
                 if chunk is not None:
                     yield chunk

@@ -4,16 +4,24 @@ stop strings and token limits, or the 400 error that says what is wrong."""
 from __future__ import annotations
 
 from gateway.openai.errors import APIError
-from gateway.openai.requests import GenerationRequest, Prompt
+from gateway.openai.requests import CompletionRequest, GenerationRequest, Prompt
 from gateway.text import Tokenizer
-from protocol.sampling import WIRE_INT_MAX, InvalidSamplingParams, SamplingParams
+from protocol.sampling import (
+    SEED_MAX,
+    SEED_MIN,
+    InvalidSamplingParams,
+    SamplingParams,
+)
 
 MAX_CHOICES = 16
 """Largest ``n``."""
 MAX_STOP_STRINGS = 16
-MAX_SEED = WIRE_INT_MAX
-"""Largest seed: the engine folds any non-negative seed, the request plane
-carries up to this."""
+MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0
+"""OpenAI's ranges: temperature in [0, 2], presence and frequency penalties
+in [-2, 2]; the repetition penalty (an extension) in (0, 2]."""
+MAX_LOGIT_BIAS = 100.0
+"""Logit bias values lie in [-100, 100]."""
 
 
 def completion_prompts(
@@ -53,8 +61,9 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise APIError(400, f"seed must be in [0, {MAX_SEED}]", param="seed")
+    """Seeds are int64, as OpenAI takes them (a negative one too)."""
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise APIError(400, f"seed must be in [{SEED_MIN}, {SEED_MAX}]", param="seed")
 
 
 def requested_max_tokens(req: GenerationRequest, default: int | None) -> tuple[int | None, str]:
@@ -67,10 +76,25 @@ def requested_max_tokens(req: GenerationRequest, default: int | None) -> tuple[i
         value = getattr(req, param) if param in declared else None
         if value is None:
             continue
+        if value == 0 and scores_prompt_only(req):
+            # One token is generated (and dropped): its prefill scores the prompt.
+            return 1, param
         if value < 1:
             raise APIError(400, f"{param} must be at least 1", param=param)
         return value, param
     return default, "max_tokens"
+
+
+def scores_prompt_only(req: GenerationRequest) -> bool:
+    """A completions request that only scores its prompt: ``echo`` with
+    ``logprobs`` and ``max_tokens`` 0 (what evaluation harnesses send for a
+    loglikelihood). Its choices hold the prompt alone."""
+    return (
+        isinstance(req, CompletionRequest)
+        and req.echo
+        and req.logprobs is not None
+        and req.max_tokens == 0
+    )
 
 
 def check_choices(n: int) -> None:
@@ -79,8 +103,19 @@ def check_choices(n: int) -> None:
 
 
 def sampling_params(
-    req: GenerationRequest, max_tokens: int, seed: int | None, top_logprobs: int
+    req: GenerationRequest,
+    max_tokens: int,
+    seed: int | None,
+    top_logprobs: int,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
+    """The request's sampling fields, checked against OpenAI's ranges (and
+    ``logit_bias`` ids against ``vocab_size``), or a 400 naming the field."""
+    check_unsupported(req)
+    check_ranges(req)
+    prompt_logprobs = None
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        prompt_logprobs = req.logprobs
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -92,16 +127,94 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             top_logprobs=top_logprobs,
+            logit_bias=logit_bias(req.logit_bias, vocab_size),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if req.repetition_penalty is None else req.repetition_penalty),
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidSamplingParams as e:
         raise APIError(400, str(e), param=e.param) from None
     return params
 
 
+def check_unsupported(req: GenerationRequest) -> None:
+    """Fields of the OpenAI API this server declares but does not serve are
+    refused when they ask for something (unknown fields never get this far)."""
+    if isinstance(req, CompletionRequest):
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(
+                400,
+                "best_of is not supported (only best_of equal to n, which ranks nothing)",
+                param="best_of",
+            )
+        if req.suffix:
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+
+
+def check_ranges(req: GenerationRequest) -> None:
+    """OpenAI's ranges of the sampling fields (the engine takes wider ones)."""
+    t = req.temperature
+    if t is not None and not 0.0 <= t <= MAX_TEMPERATURE:
+        raise APIError(
+            400, f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", param="temperature"
+        )
+    for param in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, param)
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise APIError(
+                400,
+                f"{param} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}",
+                param=param,
+            )
+    r = req.repetition_penalty
+    if r is not None and not 0.0 < r <= MAX_PENALTY:
+        raise APIError(
+            400,
+            f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {r}",
+            param="repetition_penalty",
+        )
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float]:
+    """``logit_bias`` with token ids as integers, each in [0, ``vocab_size``)
+    and each bias in [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        token = _token_key(key)
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab)"
+            raise APIError(
+                400,
+                f"logit_bias: {key!r} is not a token id in {bound}",
+                param="logit_bias",
+            )
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise APIError(
+                400,
+                f"logit_bias: the bias of token {token} must be in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}",
+                param="logit_bias",
+            )
+        out[token] = value
+    return out
+
+
+def _token_key(key: str) -> int | None:
+    """The token id a ``logit_bias`` key names: decimal digits only (no sign,
+    space or underscore, which ``int()`` would take)."""
+    if not key.isascii() or not key.isdigit() or len(key) > 20:
+        return None
+    return int(key)
+
+
 def choice_seed(seed: int | None, choice: int) -> int | None:
     """The seed of the ``choice``-th choice of a prompt: with ``n`` > 1 and a
     seed, distinct but reproducible streams per choice."""
-    return None if seed is None else (seed + choice) % (1 << 63)
+    if seed is None:
+        return None
+    # Wrapped around within int64, as the seeds themselves are.
+    return (seed + choice - SEED_MIN) % (1 << 64) + SEED_MIN
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
