@@ -139,6 +139,14 @@ class EngineConfig:
         help="largest prefill chunk of one request per step (default: the token budget)",
         group=KV_GROUP,
     )
+    prefill_per_request: int | None = setting(
+        None,
+        help="while requests decode, a step carries at most max(256, N x requests "
+        "admitted or waiting) prefill tokens: prompt work keeps pace with the load "
+        "while arriving prompts cannot stretch the gaps between the tokens of running "
+        "streams; 0: only the token budget limits them (default: 6 on CUDA, 0 elsewhere)",
+        group=KV_GROUP,
+    )
     max_running_requests: int = setting(
         256, help="requests admitted at once (default: %(default)s)", group=KV_GROUP
     )
@@ -177,6 +185,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
+        if self.prefill_per_request is not None and self.prefill_per_request < 0:
+            raise ValueError("prefill_per_request must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
@@ -224,7 +234,7 @@ class EngineConfig:
             backend = "flashinfer" if usable else "torch_native"
         graph_bs = self.cuda_graph_max_bs
         if graph_bs is None:
-            graph_bs = min(self.max_running_requests, 64) if backend == "flashinfer" else 0
+            graph_bs = min(self.max_running_requests, 256) if backend == "flashinfer" else 0
         if graph_bs and backend != "flashinfer":
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
         return replace(
@@ -234,7 +244,28 @@ class EngineConfig:
             num_pages=num_pages,
             attention_backend=backend,
             cuda_graph_max_bs=graph_bs,
+            prefill_per_request=(
+                self.prefill_per_request
+                if self.prefill_per_request is not None
+                else (PREFILL_PER_REQUEST_CUDA if device.startswith("cuda") else 0)
+            ),
         )
+
+    def prefill_cap(self, num_decoding: int, num_requests: int) -> int:
+        """Prefill tokens a step may carry beside ``num_decoding`` decoding
+        requests, with ``num_requests`` admitted or waiting. Scaled by the whole
+        load, not by the decoding count: a cap that follows the decoding count
+        starves itself (few decode, so little prefill, so few get to decode)."""
+        if not num_decoding or not self.prefill_per_request:
+            return self.max_num_batched_tokens
+        return max(MIN_PREFILL_WHILE_DECODING, self.prefill_per_request * num_requests)
+
+
+PREFILL_PER_REQUEST_CUDA = 6
+"""Measured on an H200 (Llama-3.1-8B, 1024-token prompts, 256-token outputs):
+keeps the 99th-percentile gap between tokens under twice the median at 64
+streams while prefill keeps pace at 256."""
+MIN_PREFILL_WHILE_DECODING = 256
 
 
 def _concrete_device(device: str) -> str:

@@ -132,6 +132,9 @@ class Scheduler:
         # Requests about to decode go before running prefills so a long prompt
         # cannot stall every stream; both go before new admissions.
         order = sorted(self.running, key=lambda r: r.remaining > 1)
+        prefill_left = self.config.prefill_cap(
+            sum(1 for r in order if r.remaining == 1), len(order) + len(self.waiting)
+        )
         for req in order:
             if budget == 0:
                 break
@@ -139,17 +142,28 @@ class Scheduler:
                 continue
             if req.will_finish:
                 continue
+            prefilling = req.remaining > 1
             n = min(req.remaining, budget, chunk, chunk_limit(req))
+            if prefilling:
+                n = min(n, prefill_left)
+                if n == 0:
+                    continue
             if self._reserve(req, n, None if inflight is not None else taken):
                 chosen.append((req, n))
                 taken.add(id(req))
                 budget -= n
+                if prefilling:
+                    prefill_left -= n
             elif inflight is not None:
                 self.starved = True
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while (
+            self.waiting
+            and min(budget, prefill_left) > 0
+            and len(self.running) < self.config.max_running_requests
+        ):
             req = self.waiting[0]
             self._admit_prefix(req)
-            n = min(req.remaining, budget, chunk, chunk_limit(req))
+            n = min(req.remaining, budget, chunk, chunk_limit(req), prefill_left)
             if not self._reserve(req, n, None):
                 self._release(req)
                 break
@@ -158,6 +172,7 @@ class Scheduler:
             chosen.append((req, n))
             taken.add(id(req))
             budget -= n
+            prefill_left -= n
         if not chosen:
             return None
         return self._build(chosen, inflight)

@@ -149,3 +149,35 @@ def test_detach_keeps_pages_and_admit_prefilled_decodes(model_dir: str) -> None:
     assert req.num_output == 2
     sched.abort("remote")
     assert engine.runner.pool.allocator.num_free == free
+
+
+def add_long(engine: Engine, rid: str, n_prompt: int) -> None:
+    engine.scheduler.add(engine.build_request(rid, [3 + i % 500 for i in range(n_prompt)], SPEC))
+
+
+def test_prefill_beside_decodes_is_capped_by_the_load(model_dir: str) -> None:
+    def run(per_request: int) -> list[tuple[str, int]]:
+        engine = make_engine(
+            model_dir, num_pages=400, max_num_batched_tokens=2048, prefill_per_request=per_request
+        )
+        add(engine, "a", 5)
+        assert shape(step(engine)) == [("a", 5)]
+        add_long(engine, "b", 600)
+        add_long(engine, "c", 600)
+        return shape(step(engine))
+
+    # Two requests admitted or waiting beside one decoding: the cap is the floor
+    # of 256 tokens (max(256, 1 x 3)), split between the prompts in order.
+    assert run(1) == [("a", 1), ("b", 256)]
+    assert run(200) == [("a", 1), ("b", 600)]  # max(256, 200 x 3) = 600
+    # Off: only the token budget limits the prefill.
+    assert run(0) == [("a", 1), ("b", 600), ("c", 600)]
+
+
+def test_prefill_cap_needs_a_decoding_request(model_dir: str) -> None:
+    engine = make_engine(
+        model_dir, num_pages=400, max_num_batched_tokens=2048, prefill_per_request=1
+    )
+    add_long(engine, "b", 600)
+    add_long(engine, "c", 600)
+    assert shape(step(engine)) == [("b", 600), ("c", 600)]
