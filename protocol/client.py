@@ -191,6 +191,8 @@ class WorkerClient:
         self._loss = asyncio.Event()
         """Set when the current connection drops (a new one per connection)."""
         self._handshake_error: str | None = None
+        self._declared = False
+        """A heartbeat went out on this connection: the worker watches us."""
         self._ctx = context
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -334,6 +336,11 @@ class WorkerClient:
         items = inbox.items
         finished = False
         try:
+            if not self._declared:
+                # Before the first request: a requester killed right after
+                # sending it is then known to send heartbeats, and is missed.
+                self._declared = True
+                self._post(Heartbeat())
             self._post(msg)
             while True:
                 if not items:
@@ -463,6 +470,7 @@ class WorkerClient:
                 if self._lost:
                     log.info("the connection to worker %s is back", self.endpoint)
                 self._lost = False
+                self._declared = False
                 self._loss = asyncio.Event()
                 self._connected.set()
                 self._notify(True, "connected")
