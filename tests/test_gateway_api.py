@@ -560,13 +560,16 @@ def test_top_logprobs_match_offline(gw: Gateway, offline: Offline) -> None:
         offsets = [o for lp in lps for o in lp.text_offset]
         tops = [d for lp in lps for d in lp.top_logprobs]
         assert text == prompt + offline.decode(want.token_ids), stream
-        assert tokens == [offline.decode([t]) for t in want.token_ids]
+        # The echoed prompt's tokens lead (the first with no logprob), then
+        # the generated ones (their prompt logprobs: tests/test_openai_sampling_e2e.py).
+        n = len(ids)
+        assert tokens == [offline.decode([t]) for t in ids + want.token_ids]
         # Offsets index the whole text (echoed prompt included), chunk after chunk.
-        assert offsets[0] == len(prompt)
+        assert offsets[0] == 0 and offsets[n] == len(prompt)
         assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], tokens))
         assert all(text[o : o + len(t)] == t for o, t in zip(offsets, tokens))
-        assert len(tops) == len(want.token_ids)
-        for i, (got_top, want_top) in enumerate(zip(tops, want.top_logprobs)):
+        assert len(tops) == n + len(want.token_ids) and tops[0] is None
+        for i, (got_top, want_top) in enumerate(zip(tops[n:], want.top_logprobs)):
             # Keyed by text, as the API has it (ids with the same text collapse).
             expected = {offline.decode([t]): lp for t, lp in want_top}
             assert got_top.keys() == expected.keys(), f"token {i}"
