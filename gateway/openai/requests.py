@@ -54,9 +54,11 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(extra="forbid", **_STRICT)
 
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """Ignored on purpose: chunks carry no padding against length side channels."""
 
 
 class ChatMessage(BaseModel):
