@@ -22,12 +22,44 @@ from engine.attention.flashinfer import NUM_PLAN_SLOTS, FlashInferAttention
 from engine.forward_batch import ForwardBatch
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+MAX_EXPANDED_KV_TOKENS = 32768
+"""Most KV tokens the prefill rows of a batch may read in all once each of their
+tokens is a row of its own (see ``DecodeGraphs.as_decode_rows``); beyond it a
+chunk is cheaper on the prefill kernel, which reads its prefix once."""
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
     """The captured batch sizes up to ``max_batch_size`` (always including it)."""
     sizes = [s for s in DEFAULT_SIZES if s < max_batch_size]
     return [*sizes, max_batch_size]
+
+
+def as_decode_rows(batch: ForwardBatch, max_rows: int) -> ForwardBatch | None:
+    """``batch`` as a decode batch of at most ``max_rows`` rows, or None.
+
+    A decode batch is its own answer. A batch with short prefill chunks
+    becomes one row per new token: every token's K/V is appended first, then
+    each row attends to its request's pages up to its own position, which is
+    exactly causal attention within the chunk. The token tensors already hold
+    one entry per token, so only the host-side lists change. A short prompt then
+    costs one graph replay instead of hundreds of eager launches.
+    """
+    if batch.is_decode:
+        return batch if batch.num_requests <= max_rows else None
+    num_tokens = sum(batch.extend_lens)
+    if num_tokens > max_rows:
+        return None
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    expanded = 0
+    for seq_len, n, table in zip(batch.seq_lens, batch.extend_lens, batch.page_tables):
+        if n > 1:
+            expanded += n * seq_len
+            if expanded > MAX_EXPANDED_KV_TOKENS:
+                return None
+        seq_lens.extend(range(seq_len - n + 1, seq_len + 1))
+        tables.extend([table] * n)
+    return batch._replace(seq_lens=seq_lens, extend_lens=[1] * num_tokens, page_tables=tables)
 
 
 class DecodeGraphs:
@@ -63,11 +95,12 @@ class DecodeGraphs:
             self._capture_all()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (
-            batch.is_decode
-            and 0 < batch.num_requests <= self.max_batch_size
-            and batch.logits_indices.numel() == batch.num_requests
-        )
+        return batch.is_decode and 0 < batch.num_requests <= self.max_batch_size
+
+    def as_decode_rows(self, batch: ForwardBatch) -> ForwardBatch | None:
+        """``batch`` as a decode batch the graphs can replay, or None."""
+        rows = as_decode_rows(batch, self.max_batch_size)
+        return rows if rows is not None and self.can_run(rows) else None
 
     def _padded(self, batch: ForwardBatch, size: int) -> ForwardBatch:
         """``batch`` moved into the static buffers, padded to ``size`` rows."""
@@ -127,11 +160,15 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``[b, vocab]`` of a decode batch of ``b <= max_batch_size``."""
+        """Logits of the ``batch.logits_indices`` rows of a decode batch of
+        ``b <= max_batch_size`` rows (``can_run``)."""
         b = batch.num_requests
         size = next(s for s in self.sizes if s >= b)
         padded = self._padded(batch, size)
         slot = self.attn.next_slot()
         self.attn.begin_graph_forward(padded, slot, self._max_pages[size])
         self.graphs[(size, slot)].replay()
-        return self._outputs[(size, slot)][:b]
+        logits = self._outputs[(size, slot)][:b]
+        if batch.logits_indices.numel() == b:  # every row samples: decode
+            return logits
+        return logits[batch.logits_indices]

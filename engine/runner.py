@@ -137,8 +137,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``[len(batch.logits_indices), vocab]`` in float32."""
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+        if self.graphs is not None:
+            rows = self.graphs.as_decode_rows(batch)
+            if rows is not None:
+                return self.graphs.run(rows)
         self.attn.begin_forward(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -202,6 +202,48 @@ def test_cuda_graph_decode_equals_eager(batch_size: int, kv_heads: int) -> None:
     assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_short_prefill_replays_as_decode_rows(kv_heads: int) -> None:
+    """Short prompts, a short chunk after a cached prefix and a decoding row in
+    one batch replay a decode graph (one row per new token) and give the eager
+    prefill's logits and the torch reference's."""
+    runners = [
+        _kernel_runner("torch_native", kv_heads=kv_heads),
+        _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads),
+        _kernel_runner("flashinfer", graph_bs=32, kv_heads=kv_heads),
+    ]
+    graphs = runners[2].graphs
+    assert graphs is not None
+    gen = torch.Generator().manual_seed(kv_heads)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (7, 1, 40)]
+    tables = []
+    for r in runners:
+        r.pool.kv.zero_()
+        tables = [r.pool.allocator.alloc(4) for _ in prompts]
+    assert all(t is not None for t in tables)
+    ps = 16
+    # The third prompt's first 33 tokens are computed first (eagerly: too many
+    # tokens for the graphs), then 7 more come with the other two prompts.
+    first = [ExtendSpec(prompts[2][:33], 0, tables[2], "none")]
+    second = [
+        ExtendSpec(prompts[0], 0, tables[0], "all"),
+        ExtendSpec(prompts[1], 0, tables[1], "last"),
+        ExtendSpec(prompts[2][33:], 33, tables[2], "all"),
+    ]
+    assert graphs.as_decode_rows(build_forward_batch(first, ps, "cuda:0")) is None
+    batch = build_forward_batch(second, ps, "cuda:0")
+    assert graphs.as_decode_rows(batch) is not None
+    for r in runners:
+        r.forward_logits(build_forward_batch(first, ps, "cuda:0"))
+    ref, eager, graph = (r.forward_logits(batch).float() for r in runners)
+    assert ref.shape == graph.shape == (15, KERNEL_MODEL["vocab_size"])
+    scale = ref.abs().max().item()
+    for what, got in (("eager", eager), ("graph", graph)):
+        assert (got - ref).abs().max().item() < 0.05 * scale, what
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9, what
+    assert (graph - eager).abs().max().item() < 0.01 * scale
+
+
 def test_overlap_with_cuda_graphs_matches_sync(tmp_path: Path) -> None:
     """The overlap loop plans step N+1 while step N may still be queued: with
     plan slots it gives exactly the tokens of the synchronous loop, through
