@@ -32,14 +32,14 @@ SCORE_CHUNK = 512
 def logits_mode(req: Request, start: int, last: bool) -> str:
     """Which logits the chunk of ``req`` that starts at ``start`` needs
     (``engine.forward_batch.ExtendSpec.logits``)."""
-    if not req.prompt_scored and start < len(req.prompt_ids):
+    if not req.prompt_scored and start < len(req.prompt_ids) and req.scores_prompt:
         return "all"
     return "last" if last else "none"
 
 
 def chunk_limit(req: Request) -> int:
     """Most tokens of ``req`` one forward may compute."""
-    return 1 << 62 if req.prompt_scored else SCORE_CHUNK
+    return 1 << 62 if req.prompt_scored or not req.scores_prompt else SCORE_CHUNK
 
 
 class PromptScoring(NamedTuple):

@@ -59,8 +59,10 @@ class Request:
     @property
     def scores_prompt(self) -> bool:
         """Its prompt logprobs are still to be computed: its prefill must run
-        over the whole prompt (no cached prefix) with logits at every token."""
-        return not self.prompt_scored
+        over the whole prompt (no cached prefix) with logits at every token.
+        Not once it has a token: then they were sent with it, or computed by
+        the prefill worker that sampled it (a decode worker's copy)."""
+        return not self.prompt_scored and len(self.fill_ids) == len(self.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:

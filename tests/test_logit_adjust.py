@@ -317,3 +317,20 @@ def test_cuda_sampler_takes_the_adjustments() -> None:
             seq.append(sample(logits.to(device), batch).token_ids.tolist())
         results.append(seq)
     assert results[0] == results[1]
+
+
+def test_a_request_with_a_token_scores_no_prompt() -> None:
+    """A decode worker's copy of a request prefilled elsewhere (its first
+    token came with the KV), or one retracted after its first token, does not
+    score its prompt again: it may start from a cached prefix and takes the
+    logits of its last token only."""
+    from engine.prompt_logprobs import SCORE_CHUNK, chunk_limit, logits_mode
+
+    p = SamplingParams(prompt_logprobs=1)
+    fresh = _request("a", [1, 2, 3], [], p)
+    assert fresh.scores_prompt and chunk_limit(fresh) == SCORE_CHUNK
+    assert logits_mode(fresh, 0, last=False) == "all"
+    prefilled = _request("b", [1, 2, 3], [9], p)
+    assert not prefilled.scores_prompt and chunk_limit(prefilled) > SCORE_CHUNK
+    assert logits_mode(prefilled, 0, last=False) == "none"
+    assert logits_mode(prefilled, 3, last=True) == "last"
