@@ -110,7 +110,9 @@ def run(engine: Engine, args: argparse.Namespace, n_grammar: int, spec: GrammarS
     """Time the decode steps of one batch, ``n_grammar`` of its rows under ``spec``."""
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    max_tokens = args.decode_steps + args.warmup_steps + 8
+    # Early requests decode while later ones still prefill: only the context
+    # bounds them (the timed steps end with an abort).
+    max_tokens = engine.context_length - args.input_len - 1
     for i in range(args.batch_size):
         prompt = torch.randint(3, vocab, (args.input_len,), generator=gen).tolist()
         grammar = spec if i % args.batch_size < n_grammar else None
