@@ -23,6 +23,7 @@ from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 from kvtransfer.nixl import nixl_available
 from protocol.sampling import SamplingParams
+from worker.config import CLUSTER_TOKEN_ENV
 
 pytestmark = pytest.mark.gpu
 
@@ -68,6 +69,8 @@ def test_engine_matches_hf_on_cuda(model_dir: str) -> None:
         sched.cache.reset()
     assert alloc.num_free == alloc.capacity
 
+
+TOKEN = "gpu-test-token"
 
 KERNEL_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -279,7 +282,10 @@ def _pd_gateway(model_dir: str, log_path: Path) -> Iterator[str]:
     args = ["--prefill-device", prefill_dev, "--decode-device", decode_dev]
     args += ["--transfer-backend", backend, "--model", model_dir]
     try:
-        with launch_gateway(args, log_path, START_TIMEOUT_S) as (url, _):
+        with launch_gateway(args, log_path, START_TIMEOUT_S, {CLUSTER_TOKEN_ENV: TOKEN}) as (
+            url,
+            _,
+        ):
             yield url
     except BaseException:
         print(log_tail(log_path), file=sys.stderr)
@@ -306,7 +312,9 @@ def gateway(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def _worker_stats(url: str) -> list[dict]:
-    workers = httpx.get(f"{url}/admin/workers", timeout=10).json()["workers"]
+    # The cluster token is also the admin key (the admin API is never open).
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    workers = httpx.get(f"{url}/admin/workers", headers=headers, timeout=10).json()["workers"]
     return [httpx.get(f"{w['url']}/server_info", timeout=10).json()["stats"] for w in workers]
 
 
