@@ -1,0 +1,198 @@
+"""Closed-loop serving on the engine alone: the scheduler's view of a serving run.
+
+Keeps ``--concurrency`` requests in flight (random prompts of ``--input-len``
+tokens, ``--output-len`` greedy tokens with ``ignore_eos``), replacing each one
+that finishes until ``--requests`` have run, through the engine's overlap loop
+and nothing else (no HTTP, no request plane, no detokenization). A first round
+of ``--concurrency`` requests warms the engine up and is not counted.
+
+Reports output tokens/s, the gaps between a request's tokens (p50/p99), the
+time from a request's arrival to its first token, and the steps by kind: pure
+decode steps and mixed steps (decode rows plus prefill chunks) with their mean
+duration and composition. This is where scheduling policies (token budget,
+``--prefill-per-request``) are compared before a full ``bench_serving`` run::
+
+    python benchmarks/sim_serving.py --model llama-3.1-8b --device cuda:0 \\
+        --concurrency 256 --requests 512 --kv-cache-memory-gb 60 --cuda-graph-max-bs 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_commit, host_info  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
+
+
+def simulate(engine: Engine, concurrency: int, requests: int, args: argparse.Namespace) -> dict:
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    arrived: dict[str, float] = {}
+    token_times: dict[str, list[float]] = defaultdict(list)
+    started = done = 0
+    tag = f"c{concurrency}-n{requests}-{time.monotonic_ns()}"
+
+    def add() -> None:
+        nonlocal started
+        rid = f"{tag}-{started}"
+        prompt = torch.randint(3, vocab, (args.input_len,), generator=gen).tolist()
+        arrived[rid] = time.perf_counter()
+        engine.add_request(rid, prompt, params)
+        started += 1
+
+    for _ in range(min(concurrency, requests)):
+        add()
+    steps: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
+    inflight = None
+    t0 = last = time.perf_counter()
+    while done < requests:
+        nxt = None if engine.scheduler.starved else engine.launch(inflight)
+        results = engine.finish(inflight) if inflight is not None else []
+        if nxt is None:
+            engine.scheduler.starved = False
+        now = time.perf_counter()
+        if inflight is not None:
+            lens = inflight.batch.extend_lens
+            decode = sum(1 for n in lens if n == 1)
+            steps.append((decode, sum(lens) - decode, now - last))
+        last = now
+        for r in results:
+            token_times[r.rid].append(now)
+            if r.finish_reason is not None:
+                done += 1
+                if started < requests:
+                    add()
+        inflight = nxt
+    wall = time.perf_counter() - t0
+    itl = sorted(b - a for ts in token_times.values() for a, b in zip(ts, ts[1:]))
+    ttft = sorted(ts[0] - arrived[rid] for rid, ts in token_times.items())
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for _, prefill, dt in steps:
+        k = kinds["mixed" if prefill else "decode"]
+        k[0] += 1
+        k[1] += dt
+    mixed = [(d, p) for d, p, _ in steps if p]
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3 if xs else 0.0
+
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "wall_s": wall,
+        "output_tok_s": requests * args.output_len / wall,
+        "itl_p50_ms": pct(itl, 0.5),
+        "itl_p99_ms": pct(itl, 0.99),
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "steps": {
+            k: {"n": int(n), "total_s": s, "mean_ms": s / n * 1e3} for k, (n, s) in kinds.items()
+        },
+        "mixed_mean_prefill_tokens": statistics.mean([p for _, p in mixed]) if mixed else 0.0,
+        "mixed_mean_decode_rows": statistics.mean([d for d, _ in mixed]) if mixed else 0.0,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="checkpoint dir or preset (dummy weights)")
+    ap.add_argument("--device", default="auto", help="engine device (default: %(default)s)")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="engine setting")
+    ap.add_argument(
+        "--max-running-requests", type=int, default=256, help="engine setting (default: 256)"
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        nargs="+",
+        default=[2048],
+        help="token budgets to compare (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--prefill-per-request",
+        type=int,
+        nargs="+",
+        default=[-1],
+        help="engine setting values to compare; -1 for the engine's default (default: -1)",
+    )
+    ap.add_argument(
+        "--concurrency", type=int, nargs="+", default=[64], help="requests kept in flight"
+    )
+    ap.add_argument("--requests", type=int, default=None, help="timed requests (default: 2 x C)")
+    ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: 1024)")
+    ap.add_argument("--output-len", type=int, default=256, help="output tokens (default: 256)")
+    ap.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    load_format = "auto" if args.model is None or Path(args.model).exists() else "dummy"
+    rows: list[dict[str, Any]] = []
+    for budget in args.max_num_batched_tokens:
+        for per_request in args.prefill_per_request:
+            engine = Engine(
+                EngineConfig(
+                    model=args.model,
+                    load_format=load_format,
+                    device=args.device,
+                    kv_cache_memory_gb=args.kv_cache_memory_gb,
+                    cuda_graph_max_bs=args.cuda_graph_max_bs,
+                    max_running_requests=args.max_running_requests,
+                    max_num_batched_tokens=budget,
+                    prefill_per_request=None if per_request < 0 else per_request,
+                ).resolve_model_and_device()
+            )
+            for c in args.concurrency:
+                simulate(engine, c, c, args)  # warm-up round
+                row = simulate(engine, c, args.requests or 2 * c, args)
+                row["max_num_batched_tokens"] = budget
+                row["prefill_per_request"] = engine.config.prefill_per_request
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    now = datetime.now(UTC)
+    machine = {**host_info(), "torch": torch.__version__}
+    if torch.cuda.is_available() and args.device != "cpu":
+        machine["gpu"] = torch.cuda.get_device_name()
+    record = {
+        "benchmark": "sim_serving",
+        "date": now.isoformat(timespec="seconds"),
+        "command": " ".join(["sim_serving.py", *(argv if argv is not None else sys.argv[1:])]),
+        "git_commit": git_commit(),
+        "machine": machine,
+        "model": args.model or "tiny (built-in)",
+        "rows": rows,
+    }
+    name = Path(args.model).name if args.model else "tiny"
+    path = Path(
+        args.output_file
+        or Path(__file__).parent / "results" / f"sim-serving-{name}-{now:%Y%m%d-%H%M%S}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
