@@ -453,7 +453,14 @@ _SHARED_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "stream_options": st.fixed_dictionaries({"include_usage": _JSON}),
     "user": st.text(max_size=4),
     "return_token_ids": st.booleans(),
-    "logit_bias": st.dictionaries(st.text(max_size=4), _JSON, max_size=3),
+    "logit_bias": st.dictionaries(
+        st.text(max_size=4) | _INTS.map(str), st.floats(allow_nan=True) | _INTS | _JSON, max_size=3
+    ),
+    "presence_penalty": st.floats(allow_nan=True) | _INTS,
+    "frequency_penalty": st.floats(allow_nan=True) | _INTS,
+    "repetition_penalty": st.floats(allow_nan=True) | _INTS,
+    "metadata": _JSON,
+    "store": _JSON,
 }
 _CHAT_FIELDS = {
     **_SHARED_FIELDS,
@@ -477,6 +484,8 @@ _COMPLETION_FIELDS = {
     | st.lists(_TOKEN_IDS, max_size=3),
     "logprobs": _INTS,
     "echo": st.booleans(),
+    "best_of": _INTS,
+    "suffix": st.text(max_size=4) | _JSON,
 }
 
 
