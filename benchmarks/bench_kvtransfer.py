@@ -86,6 +86,11 @@ def _serve(state: dict[str, Any], cmd: str, *args: Any) -> Any:
             if i >= warmup:
                 times.append(dt)
         return times
+    if cmd == "idle_cpu":  # share of a core this process used while nothing moved
+        seconds = args[0]
+        c0, t0 = time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        return (time.process_time() - c0) / (time.perf_counter() - t0)
     if cmd == "digest":  # hash of the given pages, in order
         pages = args[0]
         kv = state["kv"]
@@ -152,6 +157,11 @@ def bench_backend(
         dst_md = dst.call("setup", backend, "bench-dst", kwargs, cfg(args.dst_device), 2)
         src.call("connect", "bench-dst", dst_md)
         page_bytes = cfg("cpu").page_bytes
+        idle = {}
+        if args.idle_s > 0:  # both agents set up and connected, no transfer yet
+            idle = {
+                side: p.call("idle_cpu", args.idle_s) for side, p in (("src", src), ("dst", dst))
+            }
         for layout in layouts:
             src_pages, dst_pages = page_map(layout, n, args.seed)
             ranges = page_ranges(src_pages, dst_pages, page_bytes)
@@ -182,6 +192,7 @@ def bench_backend(
                     "gbps": nbytes / med / 1e9,
                     "gbps_best": nbytes / min(times) / 1e9,
                     "verified": verified,
+                    "idle_cpu_core_fraction": idle,
                 }
             )
             if verified is False:
@@ -209,17 +220,19 @@ def machine_info(devices: list[str]) -> dict:
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'backend':<7} {'layout':<10} {'src->dst':<16} {'descs':>7} {'MiB':>9} "
-        f"{'median ms':>10} {'GB/s':>8} {'best GB/s':>9} {'ok':>4}"
+        f"{'median ms':>10} {'GB/s':>8} {'best GB/s':>9} {'ok':>4} {'idle CPU src/dst':>16}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         ok = {True: "yes", False: "NO", None: "-"}[r["verified"]]
+        idle = r.get("idle_cpu_core_fraction") or {}
+        idle_s = f"{idle['src']:.0%}/{idle['dst']:.0%}" if idle else "-"
         print(
             f"{r['backend']:<7} {r['layout']:<10} "
             f"{r['src_device'] + '->' + r['dst_device']:<16} {r['descriptors']:>7} "
             f"{r['bytes'] / 2**20:>9.1f} {r['median_ms']:>10.3f} {r['gbps']:>8.2f} "
-            f"{r['gbps_best']:>9.2f} {ok:>4}"
+            f"{r['gbps_best']:>9.2f} {ok:>4} {idle_s:>16}"
         )
 
 
@@ -282,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-mib", type=float, default=None, help="tcp frame size in MiB (default: backend's)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the scattered page map")
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=2.0,
+        help="seconds over which each agent's CPU use is measured while idle, "
+        "before the transfers (0: skip; default 2)",
+    )
     p.add_argument(
         "--no-verify", action="store_true", help="skip the byte check of the moved pages"
     )

@@ -8,11 +8,12 @@ meta package ``nixl`` exposes the API as ``nixl._api``; the per-CUDA wheels
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,35 @@ def import_nixl() -> Any:
         except ImportError as e:  # includes a CUDA-variant mismatch inside the meta package
             errors.append(f"{name}: {e}")
     raise ImportError("NIXL is not usable (pip install nixl): " + "; ".join(errors))
+
+
+PROGRESS_DELAY_US = 100
+"""Pause of the agent's progress thread between rounds. The Python API starts
+that thread with no pause, so it spins a core even when nothing is in flight
+(a whole core on a CPU host, a fifth to a quarter on the GPU machine). The
+thread must stay (over TCP or shared memory a write lands only while the
+receiver's side progresses, and the receiver does not poll), so it sleeps:
+idle it then costs ~2% of a core, and a transfer's completion is seen at most
+this much later."""
+
+
+@contextlib.contextmanager
+def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
+    """Agents created inside get ``delay_us`` as their progress-thread pause:
+    the API sets the pause on its config object to 0 just before creating the
+    agent, so the config class is swapped for one that keeps ours."""
+    bind = api.nixlBind
+    base = bind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, name: str, value: Any) -> None:
+            super().__setattr__(name, delay_us if name == "pthrDelay" else value)
+
+    bind.nixlAgentConfig = _Config
+    try:
+        yield
+    finally:
+        bind.nixlAgentConfig = base
 
 
 def nixl_available() -> tuple[bool, str]:
@@ -95,7 +125,8 @@ class NixlBackend(TransferBackend):
         self.timeout = float(timeout)
         self.last_error: str | None = None
         config = api.nixl_agent_config(backends=list(backends), num_threads=num_threads)
-        self._agent = api.nixl_agent(agent_name, config)
+        with _progress_delay(api, PROGRESS_DELAY_US):
+            self._agent = api.nixl_agent(agent_name, config)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise TransferError(
