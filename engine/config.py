@@ -105,6 +105,13 @@ class EngineConfig:
         "min(--max-running-requests, 64) with flashinfer attention, else 0)",
         group=MODEL_GROUP,
     )
+    tp_size: int = setting(
+        1,
+        help="tensor-parallel ranks of the engine: N processes, one device each (cuda:0.."
+        "N-1 from --device's index; gloo on CPU), the model's heads, MLP and vocabulary "
+        "split over them (default: %(default)s)",
+        group=MODEL_GROUP,
+    )
     context_length: int | None = setting(
         None,
         help="longest prompt plus output (default: the model's max_position_embeddings)",
@@ -191,6 +198,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError("cuda_graph_max_bs must be >= 0")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -216,14 +225,23 @@ class EngineConfig:
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """Fill the 'auto' values from the model (returns a new config)."""
         from engine.kvcache.pool import KVPoolConfig
+        from engine.parallel.shard import check_split, kv_head_range
 
+        m = model_config
+        check_split(
+            self.tp_size,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            intermediate_size=m.intermediate_size,
+        )
         device = _concrete_device(self.device)
         ctx = self.context_length or model_config.max_position_embeddings
         num_pages = self.num_pages
         if num_pages is None:
-            m = model_config
+            # Every rank's pool holds the same pages, of its own KV heads.
+            kv0, kv1 = kv_head_range(m.num_kv_heads, self.tp_size, 0)
             per_page = KVPoolConfig.bytes_per_page(
-                self.page_size, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype
+                self.page_size, m.num_layers, kv1 - kv0, m.head_dim, m.dtype
             )
             num_pages = max(2, int(self.kv_cache_memory_gb * (1 << 30)) // per_page + 1)
         backend = self.attention_backend

@@ -11,9 +11,10 @@ from engine.config import EngineConfig
 from engine.grammar import GrammarBackend, GrammarStep
 from engine.host_copy import to_device
 from engine.model_config import ModelConfig
+from engine.parallel.ranks import make_runner
 from engine.prompt_logprobs import PromptScores
 from engine.request import EngineRequestError, Request, StepOutput
-from engine.runner import ForwardOutput, ModelRunner
+from engine.runner import ForwardOutput
 from engine.sampling import SamplingBatch
 from engine.scheduler import ScheduledBatch, Scheduler
 from protocol.sampling import SamplingParams
@@ -31,7 +32,7 @@ class Engine:
         model_config = ModelConfig.load(config.model, config.torch_dtype)
         self.config = config.resolve(model_config)
         self.model_config = model_config
-        self.runner = ModelRunner(self.config, model_config)
+        self.runner = make_runner(self.config, model_config)
         self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
@@ -41,6 +42,10 @@ class Engine:
         grammar work at all."""
         self._adjusted_rids: set[str] = set()
         """Live requests with a logit bias or a penalty (the same idea)."""
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel ranks)."""
+        self.runner.close()
 
     @property
     def context_length(self) -> int:

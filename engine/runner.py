@@ -18,6 +18,8 @@ from engine.kvcache.pool import KVPool, KVPoolConfig
 from engine.layers.kernels import layer_kernels
 from engine.model_config import ModelConfig
 from engine.models import build_model
+from engine.parallel.group import TPGroup
+from engine.parallel.layers import local_heads
 from engine.sampling import SamplingBatch, sample
 from engine.weights import init_dummy_weights, iter_safetensors
 
@@ -87,10 +89,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, tp: TPGroup | None = None
+    ) -> None:
+        """``tp``: this runner is one rank of a tensor-parallel group; it holds
+        its shard of the model and a pool of its own KV heads."""
         assert config.num_pages is not None, "EngineConfig must be resolved first"
         self.config = config
         self.model_config = model_config
+        self.tp = tp
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             # Kernels without an explicit device (graph capture, library
@@ -102,25 +109,26 @@ class ModelRunner:
             "flashinfer" if config.attention_backend == "flashinfer" else "torch"
         )
         with _default_dtype(model_config.dtype), torch.device(self.device):
-            self.model = build_model(model_config, kernels)
+            self.model = build_model(model_config, kernels, tp)
         self.model.eval().requires_grad_(False)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, config.seed)
         else:
             self.model.load_weights(iter_safetensors(config.model))
+        num_heads, num_kv_heads = local_heads(model_config, tp)
         self.pool = KVPool(
             KVPoolConfig(
                 num_pages=config.num_pages,
                 page_size=config.page_size,
                 num_layers=model_config.num_layers,
-                num_kv_heads=model_config.num_kv_heads,
+                num_kv_heads=num_kv_heads,
                 head_dim=model_config.head_dim,
                 dtype=model_config.dtype,
                 device=config.device,
             )
         )
         self.attn = get_attention_backend(config.attention_backend)(
-            self.pool, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
+            self.pool, num_heads, num_kv_heads, model_config.head_dim
         )
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_max_bs:
@@ -133,6 +141,19 @@ class ModelRunner:
                     config.cuda_graph_max_bs,
                     max_pages_per_request=-(-config.context_length // config.page_size),
                 )
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """Process ids of the group's other ranks (none on one device)."""
+        return []
+
+    def failure(self) -> str | None:
+        """Why this runner can no longer run forwards (a rank of its group is
+        gone), or None."""
+        return None
+
+    def close(self) -> None:
+        """Release what the runner started beyond its own memory (rank processes)."""
 
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# name -> (HF config class name, config overrides). Cover GQA ratios 1, 2 and 4,
+# name -> (HF config class name, config overrides). Cover GQA ratios 1, 2 and 4, MQA,
 # tied and untied embeddings, Llama-3 rope scaling, Qwen2 bias, Qwen3 q/k norm.
 TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-mha-llama3rope": (
@@ -50,6 +50,11 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3-gqa4": (
         "Qwen3Config",
         dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    ),
+    # One KV head: more tensor-parallel ranks than KV heads replicates it.
+    "llama-mqa": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
     ),
 }
 

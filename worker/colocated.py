@@ -18,6 +18,7 @@ from worker.loop import (
     error_delta,
     step_delta,
     timed_overlap_step,
+    tp_info,
 )
 
 
@@ -110,6 +111,7 @@ class ColocatedLoop(WorkerLoop):
             "enable_prefix_cache": cfg.enable_prefix_cache,
             "vocab_size": self.engine.model_config.vocab_size,
             "eos_token_ids": list(self.engine.model_config.eos_token_ids),
+            **tp_info(self.engine),
         }
 
     def close(self) -> None:
@@ -117,6 +119,7 @@ class ColocatedLoop(WorkerLoop):
             self.engine.abort(rid)
         self._clients.clear()
         self._outbox.clear()
+        self.engine.close()
 
     def _fail(self, client: bytes, rid: str, message: str, param: str | None = None) -> None:
         self._counters["requests_failed_total"] += 1

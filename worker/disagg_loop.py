@@ -143,4 +143,7 @@ class DisaggLoop(WorkerLoop, Generic[RoomT, PlaneT]):
         return {**engine_stats(self.engine, self.role), **self._room_stats(), **self.counters}
 
     def close(self) -> None:
-        self.kv.close()
+        try:
+            self.kv.close()
+        finally:
+            self.engine.close()

@@ -263,6 +263,12 @@ class EngineServer:
                     log.error("front process is gone; stopping")
                     self.exit_code = 1
                     return
+                failure = self.loop.failure()
+                if failure is not None:
+                    log.error("%s; stopping", failure)
+                    self._fail_all(f"worker failed: {failure}")
+                    self.exit_code = 1
+                    return
                 self._expire(now)
                 self._abort_orphans(now)
 

@@ -87,10 +87,22 @@ class WorkerLoop(ABC):
         engine = getattr(self, "engine", None)
         if isinstance(engine, Engine):
             facts["context_length"] = engine.context_length
+            facts.update(tp_info(engine))
         return facts
+
+    def failure(self) -> str | None:
+        """Why the loop can serve no more (a tensor-parallel rank died), or None.
+        The engine server fails every request and stops the worker then."""
+        engine = getattr(self, "engine", None)
+        return engine.runner.failure() if isinstance(engine, Engine) else None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release sockets, transfer agents and device memory."""
+
+
+def tp_info(engine: Engine) -> dict[str, Any]:
+    """The engine's tensor-parallel size and the process ids of its other ranks."""
+    return {"tp_size": engine.config.tp_size, "rank_pids": engine.runner.rank_pids}
 
 
 def engine_stats(engine: Engine, role: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfi
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.parallel.group import TPGroup
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,11 +19,14 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
 
 
-def build_model(cfg: ModelConfig, kernels: LayerKernels) -> LlamaForCausalLM:
+def build_model(
+    cfg: ModelConfig, kernels: LayerKernels, tp: TPGroup | None = None
+) -> LlamaForCausalLM:
+    """The model of ``cfg``; with ``tp``, this rank's shard of it."""
     try:
         cls = MODEL_REGISTRY[cfg.architecture]
     except KeyError:
         raise ModelConfigError(
             f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
         ) from None
-    return cls(cfg, kernels)
+    return cls(cfg, kernels, tp)

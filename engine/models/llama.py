@@ -11,35 +11,33 @@ from torch.nn import functional as F
 
 from engine.attention.base import AttentionBackend
 from engine.layers.kernels import LayerKernels, RotaryInput
-from engine.layers.linear import MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.parallel import layers as tp_layers
+from engine.parallel.group import TPGroup
 from engine.weights import WeightLoadError, load_named_weights
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, kernels: LayerKernels) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, kernels: LayerKernels, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.kernels = kernels
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size,
-            {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-            cfg.attention_bias,
-        )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # With tensor parallelism: this rank's heads only (see engine.parallel).
+        self.num_heads, self.num_kv_heads = tp_layers.local_heads(cfg, tp)
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = tp_layers.qkv_proj(cfg, tp)
+        self.o_proj = tp_layers.o_proj(cfg, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
         else:
             self.q_norm = self.k_norm = None
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
 
     def forward(self, x: torch.Tensor, rope: RotaryInput, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
@@ -57,25 +55,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: LayerKernels) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: LayerKernels, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.kernels = kernels
-        self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, False
-        )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = tp_layers.gate_up_proj(cfg, tp)
+        self.down_proj = tp_layers.down_proj(cfg, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, kernels: LayerKernels) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, kernels: LayerKernels, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = Attention(cfg, layer, kernels)
+        self.self_attn = Attention(cfg, layer, kernels, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, kernels)
+        self.mlp = MLP(cfg, kernels, tp)
 
     def forward(
         self,
@@ -96,10 +94,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: LayerKernels) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: LayerKernels, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
+        self.embed_tokens = tp_layers.embedding(cfg, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, kernels, tp) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
 
@@ -113,17 +113,18 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", "up"),
     }
 
-    def __init__(self, cfg: ModelConfig, kernels: LayerKernels) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: LayerKernels, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, kernels)
+        self.tp = tp
+        self.model = DecoderModel(cfg, kernels, tp)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, kernels
         )
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = tp_layers.lm_head(cfg, tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -143,7 +144,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        logits = F.linear(hidden, self.lm_head_weight)
+        if self.tp is not None:  # this rank's vocab columns: gather all of them
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each."""
@@ -173,8 +177,13 @@ class LlamaForCausalLM(nn.Module):
                 raise WeightLoadError(f"unexpected weight {name!r} in checkpoint")
             param = params[pname]
             dst = param.data
+            owner, leaf = pname.rsplit(".", 1)
+            module = self.get_submodule(owner)
             if shard is not None:
-                dst = dst[self.get_submodule(pname.rsplit(".", 1)[0]).shard_slice(shard)]
+                dst = dst[module.shard_slice(shard)]
+            select = getattr(module, "select_shard", None)
+            if select is not None:  # tensor-parallel: this rank's part of the tensor
+                tensor = select(leaf, shard, tensor)
             load_named_weights(name, dst, tensor)
             seen[pname].add(shard)
         missing = [n for n, shards in expected.items() if seen[n] != shards]
