@@ -67,6 +67,9 @@ GATEWAY_INTERVALS: tuple[Interval, ...] = (
 WORKER_INTERVALS: tuple[Interval, ...] = (
     Interval("wait_pages", RECEIVED, RESERVE_SENT),
     Interval("kv_transfer", RESERVE_SENT, DONE_RECEIVED),
+    # Decode: the KV has landed, until the first decode step that includes the
+    # request is launched (the wait a finished prefill sees on the decode side).
+    Interval("done_to_first_step", DONE_RECEIVED, FORWARD_STARTED),
     Interval("wait_reserve", RECEIVED, RESERVE_RECEIVED),
     Interval("admit", RECEIVED, ADMITTED),
     Interval("queue", ADMITTED, FORWARD_STARTED),

@@ -284,6 +284,7 @@ def test_disaggregated_stages(disaggregated: Deployment) -> None:
     for role, name in [
         ("decode", "wait_pages"),
         ("decode", "kv_transfer"),
+        ("decode", "done_to_first_step"),
         ("decode", "first_forward"),
         ("prefill", "wait_reserve"),
         ("prefill", "first_forward"),
@@ -301,5 +302,12 @@ def test_disaggregated_stages(disaggregated: Deployment) -> None:
     for name in ("wait_reserve", "first_forward", "kv_tail", "send_done", "total"):
         assert metric_count(text, "worker_stage_seconds", stage=name) >= 4, name
     text = httpx.get(f"{decode.url}/metrics", timeout=10).text
-    for name in ("wait_pages", "kv_transfer", "admit", "first_forward", "total"):
+    for name in (
+        "wait_pages",
+        "kv_transfer",
+        "done_to_first_step",
+        "admit",
+        "first_forward",
+        "total",
+    ):
         assert metric_count(text, "worker_stage_seconds", stage=name) >= 4, name
