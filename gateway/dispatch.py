@@ -338,7 +338,10 @@ async def merge_prefill_decode(
         done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if d_task in done and p_task not in done:
             d_first = d_task.result()
-            if d_first.finish_reason is not None:  # decode refused or failed
+            # Decode refused or failed. (A final "stop"/"length" here is a
+            # success: decode's whole stream, merged while the gateway was
+            # behind; prefill's token still goes first.)
+            if d_first.finish_reason in ("error", "abort"):
                 yield d_first, "decode"
                 return
             p_delta = await p_task

@@ -286,6 +286,27 @@ def test_merge_holds_a_decode_stream_that_ends_before_prefill_answers() -> None:
     asyncio.run(go())
 
 
+def test_merge_holds_a_whole_decode_stream_in_one_final_delta() -> None:
+    """Decode's whole stream, merged into one final delta (the gateway fell
+    behind and its client merges what piled up), is read before prefill's
+    first token: a success, not a refusal; prefill's token still goes first
+    (it was dropped, found by benchmarks/fault_matrix.py)."""
+
+    async def go() -> None:
+        run = MergeRun()
+        whole = TokenDelta(RID, [11, 12, 13], [-0.5, -0.25, -0.1], "length")
+        run.decode.send(whole)
+        await settle()
+        assert run.out == [] and not run.task.done()
+        run.prefill.send(TokenDelta(RID, [10], [-1.0], PREFILL_DONE))
+        await run.result()
+        first = TokenDelta(RID, [10], [-1.0], None)
+        assert run.out == [(first, "prefill"), (whole, "decode")]
+        assert not run.prefill.aborted and not run.decode.aborted
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("how", ["error_delta", "exception"])
 def test_merge_decode_failing_before_prefill_answers_aborts_prefill(how: str) -> None:
     """Decode refuses or fails before prefill's first token: the request ends
