@@ -18,7 +18,12 @@ ROUTER on the receiver side; both served by one background I/O thread):
   the peer buffer. At most ``window`` chunks per peer are unacknowledged, which
   bounds memory on both sides. A peer that makes no progress for ``timeout``
   seconds fails its transfers, and its socket is dropped (with whatever it still
-  queued) so no stale bytes land later.
+  queued) so no stale bytes land later. A transfer with a chunk unacknowledged
+  for ``timeout`` seconds fails on its own (a lost message), even while the
+  peer acknowledges other transfers.
+
+Test hook: ``kvtransfer.faults`` can drop or delay data messages (only when
+its environment variable is set, by the fault matrix).
 
 With a cluster token, every connection must first prove it holds the token
 before the receiver takes a transfer message from it: the writer sends
@@ -55,6 +60,7 @@ import zmq
 
 from kvtransfer.backend import ByteRange, TransferBackend, TransferError, TransferState
 from kvtransfer.compat import sign, verify
+from kvtransfer.faults import FaultHook
 from kvtransfer.layout import buffer_nbytes, check_ranges
 
 logger = logging.getLogger(__name__)
@@ -185,6 +191,9 @@ class _Xfer:
     next_chunk: int = 0
     inflight: int = 0
     acked: int = 0
+    deadline: float = 0.0
+    """While chunks of it are unacknowledged: when it fails for lack of
+    progress (a lost message), even while the peer acknowledges others."""
 
 
 @dataclass(eq=False)
@@ -247,6 +256,8 @@ class TcpBackend(TransferBackend):
         self._meta: TcpMetadata | None = None
         self._router: zmq.Socket | None = None
         self._closed = False
+        self._faults = FaultHook.from_env()
+        """Test hook of the fault matrix (None unless its env var is set)."""
 
         wake_addr = f"inproc://kvtcp-wake-{id(self):x}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
@@ -452,6 +463,9 @@ class _IoLoop:
         self.by_sock: dict[zmq.Socket, _Peer] = {}
         self.active: dict[int, _Xfer] = {}
         self.stopping = False
+        self.faults = backend._faults
+        self.held: dict[int, tuple[int, float]] = {}
+        """xfer handle -> (chunk, when it may go): chunks the fault hook delays."""
 
     def run(self) -> None:
         while not self.stopping:
@@ -484,6 +498,8 @@ class _IoLoop:
 
     def _poll_timeout_ms(self) -> int:
         busy = [p.deadline for p in self.peers.values() if p.xfers]
+        busy += [at for _, at in self.held.values()]
+        busy += [x.deadline for x in self.active.values() if x.inflight]
         if not busy:
             return 1000
         return max(0, min(1000, int((min(busy) - time.monotonic()) * 1000) + 1))
@@ -678,11 +694,16 @@ class _IoLoop:
                     begin = _Begin(writer, xfer.handle, token, xfer.ranges)
                     sock.send(_encode(begin), zmq.NOBLOCK)
                     xfer.begun = True
+                    xfer.deadline = time.monotonic() + self.b.timeout
                 while inflight < window and xfer.next_chunk < len(xfer.chunks):
+                    fault = None if self.faults is None else self._fault(xfer)
+                    if fault == "hold":
+                        return
                     pieces = xfer.chunks[xfer.next_chunk]
                     header = _Data(writer, xfer.handle, token, [(p[1], p[2]) for p in pieces])
                     frames = [_encode(header), *xfer.src.frames(pieces)]
-                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    if fault != "drop":
+                        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                     xfer.next_chunk += 1
                     xfer.inflight += 1
                     inflight += 1
@@ -690,6 +711,24 @@ class _IoLoop:
                 return  # queue full; retried on the next loop turn
             if inflight >= window:
                 return
+
+    def _fault(self, xfer: _Xfer) -> str | None:
+        """The fault hook's verdict on ``xfer``'s next chunk: "drop" (counted
+        as sent, never delivered), "hold" (not yet) or None (send it)."""
+        assert self.faults is not None
+        now = time.monotonic()
+        held = self.held.get(xfer.handle)
+        if held is None or held[0] != xfer.next_chunk:
+            fault = self.faults.next_message()
+            if fault.drop:
+                return "drop"
+            if fault.delay_s <= 0:
+                return None
+            held = self.held[xfer.handle] = (xfer.next_chunk, now + fault.delay_s)
+        if now < held[1]:
+            return "hold"
+        del self.held[xfer.handle]
+        return None
 
     def _read_replies(self, peer: _Peer) -> None:
         assert peer.sock is not None
@@ -728,6 +767,7 @@ class _IoLoop:
                 continue
             xfer.inflight -= 1
             xfer.acked += reply.nbytes
+            xfer.deadline = peer.deadline
             if xfer.acked >= xfer.total:
                 self._end(xfer, peer, TransferState.DONE)
 
@@ -735,6 +775,7 @@ class _IoLoop:
         self, xfer: _Xfer, peer: _Peer, state: TransferState, error: str | None = None
     ) -> None:
         self.active.pop(xfer.handle, None)
+        self.held.pop(xfer.handle, None)
         with contextlib.suppress(ValueError):
             peer.xfers.remove(xfer)
         self.b._finish(xfer, state, error)
@@ -746,6 +787,14 @@ class _IoLoop:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for name, peer in self.peers.items():
+            for xfer in [x for x in peer.xfers if x.inflight and now > x.deadline]:
+                self._end(
+                    xfer,
+                    peer,
+                    TransferState.FAILED,
+                    f"write to {name!r} failed: no progress of this transfer for "
+                    f"{self.b.timeout:g}s (a message lost on the way)",
+                )
             if peer.xfers and now > peer.deadline:
                 self._fail_peer(
                     name,
