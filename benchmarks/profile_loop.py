@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_commit, host_info  # noqa: E402
+from benchmarks.common import host_info, write_record  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine, InFlight  # noqa: E402
 from protocol.sampling import SamplingParams  # noqa: E402
@@ -205,24 +204,14 @@ def main(argv: list[str] | None = None) -> None:
         results[b] = row
         brief = {k: v for k, v in row.items() if k not in ("top_gaps", "replay_top_kernels")}
         print(b, json.dumps(brief), flush=True)
-    now = datetime.now(UTC)
-    record = {
-        "benchmark": "profile_loop",
-        "date": now.isoformat(timespec="seconds"),
-        "command": " ".join(["profile_loop.py", *(argv if argv is not None else sys.argv[1:])]),
-        "git_commit": git_commit(),
-        "machine": {**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
-        "model": args.model,
-        "results": results,
-    }
-    name = Path(args.model).name
-    path = Path(
-        args.output_file
-        or Path(__file__).parent / "results" / f"profile-loop-{name}-{now:%Y%m%d-%H%M%S}.json"
+    write_record(
+        "profile_loop",
+        argv if argv is not None else sys.argv[1:],
+        {"model": args.model, "results": results},
+        args.output_file,
+        f"profile-loop-{Path(args.model).name}",
+        machine={**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

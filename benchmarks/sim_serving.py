@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_commit, host_info  # noqa: E402
+from benchmarks.common import host_info, write_record  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from protocol.sampling import SamplingParams  # noqa: E402
@@ -171,27 +170,17 @@ def main(argv: list[str] | None = None) -> None:
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    now = datetime.now(UTC)
     machine = {**host_info(), "torch": torch.__version__}
     if torch.cuda.is_available() and args.device != "cpu":
         machine["gpu"] = torch.cuda.get_device_name()
-    record = {
-        "benchmark": "sim_serving",
-        "date": now.isoformat(timespec="seconds"),
-        "command": " ".join(["sim_serving.py", *(argv if argv is not None else sys.argv[1:])]),
-        "git_commit": git_commit(),
-        "machine": machine,
-        "model": args.model or "tiny (built-in)",
-        "rows": rows,
-    }
-    name = Path(args.model).name if args.model else "tiny"
-    path = Path(
-        args.output_file
-        or Path(__file__).parent / "results" / f"sim-serving-{name}-{now:%Y%m%d-%H%M%S}.json"
+    write_record(
+        "sim_serving",
+        argv if argv is not None else sys.argv[1:],
+        {"model": args.model or "tiny (built-in)", "rows": rows},
+        args.output_file,
+        f"sim-serving-{Path(args.model).name if args.model else 'tiny'}",
+        machine=machine,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
