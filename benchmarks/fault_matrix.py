@@ -1,0 +1,893 @@
+"""Fault matrix: a real cluster under steady streaming load, dealt one fault
+after another, with every greedy output checked against the offline engine.
+
+    python benchmarks/fault_matrix.py                    # 2 prefill + 2 decode, tcp
+    python benchmarks/fault_matrix.py --transfer-backend nixl
+    python benchmarks/fault_matrix.py --short            # the test suite's few scenarios
+
+It starts N prefill and M decode workers (the built-in tiny model on the CPU,
+or ``--model``) and a gateway, computes the greedy completions of a fixed set
+of token-id prompts with ``engine.llm.LLM``, and runs ``--clients`` streaming
+clients (``/v1/completions``, ``return_token_ids``) through each scenario:
+
+  baseline        no fault
+  kill-prefill    SIGKILL a prefill worker (front and engine), restart it
+  kill-decode     the same for a decode worker
+  pause-prefill   SIGSTOP a prefill worker for a while, then SIGCONT
+  pause-decode    the same for a decode worker
+  kv-drop         the tcp KV channel loses a data message (tcp only)
+  kv-delay        every KV data message is held back for a while (tcp only)
+  disconnect      half the clients hang up mid-stream
+  admin-readd     a decode worker removed through the admin API, then added back
+  malformed       a burst of malformed requests beside the load (each must be a 4xx)
+  overload        a burst of many more streams than the gateway admits (429 + Retry-After)
+
+Per scenario it prints: requests; ok (output equal to the offline engine's);
+wrong (any token that differs, even in a stream that then failed); failed
+(ended with an error that says why: an error event or a 4xx/429); hung (no
+end within ``--hang-s``); leaked pages (after the load stops every worker
+must go back to its starting KV pool, read from /server_info, and nothing may
+stay in flight in a worker or the gateway); 5xx (an HTTP status >= 500, or a
+stream ended by an internal error, on a valid request); failover (seconds
+from the fault to the first token of the first request sent after it that
+completed: served by another worker); recovery (seconds from the restarted,
+resumed or re-added worker answering /health to its first transferred
+request). It exits non-zero on any wrong, hung, leaked or 5xx (and on a
+malformed request that got no 4xx, a 429 without Retry-After, or a scenario
+where nothing completed).
+
+The KV faults use a test hook of the tcp backend (``kvtransfer.faults``),
+enabled only here through ``DISAGG_KV_FAULT_FILE`` on the prefill workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cluster import GatewayProcess, WorkerProcess, log_tail, wait_until
+from benchmarks.common import git_commit, host_info
+from kvtransfer.faults import FAULT_FILE_ENV
+from worker.config import CLUSTER_TOKEN_ENV
+
+ALL_SCENARIOS = (
+    "baseline",
+    "kill-prefill",
+    "kill-decode",
+    "pause-prefill",
+    "pause-decode",
+    "kv-drop",
+    "kv-delay",
+    "disconnect",
+    "admin-readd",
+    "malformed",
+    "overload",
+)
+SHORT_SCENARIOS = ("kill-decode", "kv-drop", "disconnect", "malformed")
+TCP_ONLY = ("kv-drop", "kv-delay")
+ENGINE: dict[str, Any] = dict(
+    page_size=4,
+    num_pages=384,
+    context_length=256,
+    max_running_requests=32,
+    max_num_batched_tokens=256,
+)
+LIMITS = {"kill": 1.0, "pause": 3.0, "recovery": 10.0}
+"""The issue's bounds: failover after a kill / a pause, recovery after answering health."""
+
+
+@dataclass(frozen=True)
+class MatrixConfig:
+    prefill: int = 2
+    decode: int = 2
+    backend: str = "tcp"
+    model: str | None = None
+    clients: int = 6
+    scenarios: tuple[str, ...] = ALL_SCENARIOS
+    before_s: float = 3.0
+    """Load before the fault."""
+    fault_s: float = 5.0
+    """Load while the fault lasts (worker dead or paused, KV fault on)."""
+    after_s: float = 4.0
+    """Load after recovery (or after the fault, for one-shot faults)."""
+    hang_s: float = 30.0
+    quiesce_s: float = 30.0
+    transfer_timeout_s: float = 5.0
+    threads: int = 1
+    """Intra-op threads of each engine process (many processes share the cores)."""
+    prompts: int = 24
+    seed: int = 0
+    log_dir: Path | None = None
+
+
+# -- workload ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    max_tokens: int
+    expected: list[int]
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """Token-id prompts in a few families that share a prefix (so cache-aware
+    routing has something to do), with their max_tokens."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(3, vocab) for _ in range(rng.randrange(16, 40))] for _ in range(4)]
+    out = []
+    for i in range(n):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 24))]
+        out.append((heads[i % len(heads)] + tail, rng.randrange(6, 17)))
+    return out
+
+
+def reference(model: str | None, prompts: list[tuple[list[int], int]]) -> list[Prompt]:
+    """The offline engine's greedy completions (ignore_eos: fixed lengths)."""
+    from engine.llm import LLM
+    from protocol.sampling import SamplingParams
+
+    llm = LLM(model, device="cpu", page_size=4, num_pages=1024, context_length=256)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in prompts]
+    outs = llm.generate([ids for ids, _ in prompts], params)
+    return [Prompt(ids, m, o.token_ids) for (ids, m), o in zip(prompts, outs)]
+
+
+# -- one request -----------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    started: float
+    outcome: str = "pending"
+    """ok, wrong, failed, rejected (429), disconnected, hung, server_error."""
+    status: int = 0
+    first_token: float | None = None
+    ended: float | None = None
+    error: str = ""
+
+
+def _error_outcome(error: dict[str, Any]) -> tuple[str, str]:
+    message = str(error.get("message") or "")
+    if error.get("code") == "internal_error" or not message:
+        return "server_error", message or json.dumps(error)
+    return "failed", message
+
+
+async def stream_one(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: Prompt,
+    hang_s: float,
+    hang_up_after: int | None = None,
+) -> Record:
+    """One streamed completion; ``hang_up_after``: close the connection after
+    that many tokens (a client that goes away)."""
+    rec = Record(time.monotonic())
+    body = {
+        "model": model,
+        "prompt": prompt.ids,
+        "max_tokens": prompt.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    got: list[int] = []
+    events: list[str] = []
+    try:
+        async with asyncio.timeout(hang_s):
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                rec.status = resp.status_code
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    rec.outcome, rec.error = _http_outcome(resp, text)
+                    return rec
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    events.append(line[6:200])
+                    if "error" in event:
+                        rec.outcome, rec.error = _error_outcome(event["error"])
+                        break
+                    for choice in event.get("choices", []):
+                        ids = choice.get("token_ids") or []
+                        if ids and rec.first_token is None:
+                            rec.first_token = time.monotonic()
+                        got += ids
+                    if hang_up_after is not None and len(got) >= hang_up_after:
+                        rec.outcome = "disconnected"
+                        break
+    except TimeoutError:
+        rec.outcome, rec.error = "hung", f"no end within {hang_s:g}s"
+    except httpx.HTTPError as e:
+        # The gateway closed the connection without an error event.
+        rec.outcome, rec.error = "server_error", f"{type(e).__name__}: {e}"
+    rec.ended = time.monotonic()
+    if got != prompt.expected[: len(got)]:
+        rec.outcome = "wrong"
+        rec.error = f"got {got}, expected {prompt.expected}; events: {' | '.join(events)}"
+    elif rec.outcome == "pending":
+        if got == prompt.expected:
+            rec.outcome = "ok"
+        else:
+            rec.outcome, rec.error = "server_error", f"stream ended early without an error: {got}"
+    return rec
+
+
+def _http_outcome(resp: httpx.Response, text: str) -> tuple[str, str]:
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = ""
+    if resp.status_code == 429:
+        if "retry-after" not in resp.headers:
+            return "server_error", "429 without Retry-After"
+        return "rejected", message
+    if resp.status_code >= 500 or not message:
+        return "server_error", f"{resp.status_code}: {text[:200]}"
+    return "failed", message
+
+
+# -- load ------------------------------------------------------------------------
+
+
+class Load:
+    """``clients`` streaming clients sending the prompts round robin until
+    ``stop``; every request's record is kept."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        prompts: list[Prompt],
+        clients: int,
+        hang_s: float,
+        hang_up: bool = False,
+    ) -> None:
+        self.url, self.model, self.prompts = url, model, prompts
+        self.clients, self.hang_s, self.hang_up = clients, hang_s, hang_up
+        self.records: list[Record] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for c in range(self.clients):
+            self._tasks.append(asyncio.create_task(self._client(c)))
+
+    async def _client(self, c: int) -> None:
+        rng = random.Random(c)
+        # One connection per client, kept across requests (a failure must not break it).
+        async with httpx.AsyncClient(timeout=None) as http:
+            i = c
+            while not self._stop.is_set():
+                prompt = self.prompts[i % len(self.prompts)]
+                i += self.clients
+                hang_up = rng.randrange(1, 4) if self.hang_up and c % 2 == 0 else None
+                rec = await stream_one(http, self.url, self.model, prompt, self.hang_s, hang_up)
+                self.records.append(rec)
+                if rec.outcome == "rejected":
+                    await asyncio.sleep(0.2)  # as told by Retry-After, shortened
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+
+# -- malformed input -----------------------------------------------------------
+
+
+def malformed_requests(model: str) -> list[tuple[str, str, Any]]:
+    """(method, path, body) of requests that must each get a 4xx: a JSON
+    body, raw bytes, or a query string (admin)."""
+    base = {"model": model, "max_tokens": 4}
+    bodies: list[Any] = [
+        b'{"model": ',
+        b"",
+        b"[1, 2, 3]",
+        {"prompt": "hi", "max_tokens": 4},
+        {**base, "prompt": "hi", "stop_token_ids": [10**20]},
+        {**base, "prompt": [[False]]},
+        {**base, "prompt": [True, 5]},
+        {**base, "prompt": "hi", "max_tokens": 0},
+        {**base, "prompt": "hi", "max_tokens": -1},
+        {**base, "prompt": [10**9]},
+        {**base, "prompt": "hi", "temperature": "hot"},
+        {**base, "prompt": "hi", "n": 1000},
+        {**base, "prompt": "hi", "logit_bias": {"abc": 1}},
+        {**base, "prompt": "hi", "no_such_field": 1},
+        {**base, "prompt": list(range(3, 3000))},
+        {**base, "prompt": "hi", "model": "no-such-model"},
+        {**base, "prompt": "hi", "seed": 2**70},
+    ]
+    out: list[tuple[str, str, Any]] = [("POST", "/v1/completions", b) for b in bodies]
+    out += [
+        ("POST", "/v1/chat/completions", {**base, "messages": "not a list"}),
+        ("POST", "/v1/chat/completions", {**base, "messages": []}),
+        ("POST", "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": 5}]}),
+        ("DELETE", "/admin/workers?url=", None),
+        ("DELETE", "/admin/workers?url=http://", None),
+        ("POST", "/admin/workers", {"url": 5}),
+        ("POST", "/admin/workers", {"url": "http://127.0.0.1:1", "role": "boss"}),
+    ]
+    return out
+
+
+async def send_malformed(url: str, admin_key: str, model: str, repeat: int) -> list[Record]:
+    """Every malformed request ``repeat`` times, all at once."""
+
+    async def one(http: httpx.AsyncClient, method: str, path: str, body: Any) -> Record:
+        rec = Record(time.monotonic())
+        headers = {"Authorization": f"Bearer {admin_key}"} if path.startswith("/admin") else {}
+        kw: dict[str, Any] = {}
+        if isinstance(body, bytes):
+            kw = {"content": body, "headers": {**headers, "Content-Type": "application/json"}}
+        elif body is not None:
+            kw = {"json": body, "headers": headers}
+        else:
+            kw = {"headers": headers}
+        try:
+            resp = await http.request(method, f"{url}{path}", **kw)
+            rec.status = resp.status_code
+            if 400 <= resp.status_code < 500 and "error" in resp.json():
+                rec.outcome = "failed"
+            else:
+                rec.outcome = "server_error" if resp.status_code >= 500 else "accepted"
+            rec.error = f"{method} {path} {str(body)[:80]} -> {resp.status_code} {resp.text[:120]}"
+        except (httpx.HTTPError, ValueError) as e:
+            rec.outcome, rec.error = "server_error", f"{method} {path}: {type(e).__name__}: {e}"
+        rec.ended = time.monotonic()
+        return rec
+
+    reqs = malformed_requests(model) * repeat
+    async with httpx.AsyncClient(timeout=30) as http:
+        return list(await asyncio.gather(*(one(http, *r) for r in reqs)))
+
+
+# -- the cluster and the scenarios ---------------------------------------------
+
+
+@dataclass
+class Result:
+    scenario: str
+    requests: int = 0
+    ok: int = 0
+    wrong: int = 0
+    failed: int = 0
+    rejected: int = 0
+    disconnected: int = 0
+    hung: int = 0
+    leaked_pages: int = 0
+    stuck: int = 0
+    """Requests still in a worker or the gateway after quiescence."""
+    server_errors: int = 0
+    accepted: int = 0
+    """Malformed requests that got no 4xx (nor a 5xx)."""
+    failover_s: float | None = None
+    recovery_s: float | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def bad(self) -> bool:
+        nothing = self.ok == 0 and self.scenario != "malformed"
+        return bool(
+            self.wrong
+            or self.hung
+            or self.leaked_pages
+            or self.stuck
+            or self.server_errors
+            or self.accepted
+        ) or (nothing and self.requests > 0)
+
+
+class Matrix:
+    def __init__(self, cfg: MatrixConfig, log_dir: Path) -> None:
+        self.cfg = cfg
+        self.log_dir = log_dir
+        self.token = secrets.token_hex(16)
+        self.admin_key = secrets.token_hex(16)
+        self.fault_file = log_dir / "kv-fault"
+        self.fault_file.write_text("off")
+        env = {CLUSTER_TOKEN_ENV: self.token, "OMP_NUM_THREADS": str(cfg.threads)}
+        settings = {
+            **ENGINE,
+            "transfer_backend": cfg.backend,
+            "transfer_timeout_s": cfg.transfer_timeout_s,
+        }
+        self.prefill = [
+            WorkerProcess.make(
+                f"prefill-{i}",
+                "prefill",
+                cfg.model,
+                log_dir,
+                {**env, FAULT_FILE_ENV: str(self.fault_file)},
+                **settings,
+            )
+            for i in range(cfg.prefill)
+        ]
+        self.decode = [
+            WorkerProcess.make(f"decode-{i}", "decode", cfg.model, log_dir, env, **settings)
+            for i in range(cfg.decode)
+        ]
+        self.gateway = GatewayProcess.make(
+            [w.url for w in self.prefill],
+            [w.url for w in self.decode],
+            self.admin_key,
+            log_dir / "gateway.log",
+            {CLUSTER_TOKEN_ENV: self.token},
+            [
+                "--health-interval-s",
+                "1",
+                "--worker-timeout-s",
+                "20",
+                "--request-timeout-s",
+                "60",
+                "--max-concurrent-requests",
+                str(2 * cfg.clients),
+                "--max-queued-tokens",
+                "800",
+                "--max-queue-wait-s",
+                "5",
+                "--log-level",
+                "info",
+            ],
+        )
+        self.prompts: list[Prompt] = []
+        self.model_name = ""
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        return [*self.prefill, *self.decode]
+
+    def start(self) -> None:
+        for w in self.workers:
+            w.start()
+        prompts = make_prompts(self.cfg.prompts, _vocab(self.cfg.model), self.cfg.seed)
+        self.prompts = reference(self.cfg.model, prompts)  # while the workers load
+        for w in self.workers:
+            w.wait_healthy()
+        self.gateway.start()
+        models = httpx.get(f"{self.gateway.url}/v1/models", timeout=10).json()
+        self.model_name = models["data"][0]["id"]
+        # Every worker must be in routing before the first scenario.
+        ok = wait_until(lambda: self._all_available(), 30)
+        if not ok:
+            raise RuntimeError(f"workers not all available: {self.gateway.workers()}")
+
+    def _all_available(self) -> bool:
+        ws = self.gateway.workers()
+        return all(
+            ws.get(w.url, {}).get("healthy") and ws[w.url]["breaker"] == "closed"
+            for w in self.workers
+        )
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        for w in self.workers:
+            w.stop()
+
+    # -- running one scenario ----------------------------------------------------
+
+    async def run(self, name: str) -> Result:
+        result = Result(name)
+        if name in TCP_ONLY and self.cfg.backend != "tcp":
+            result.notes.append("tcp only")
+            return result
+        t0 = time.monotonic()
+        load = Load(
+            self.gateway.url,
+            self.model_name,
+            self.prompts,
+            self.cfg.clients,
+            self.cfg.hang_s,
+            hang_up=name == "disconnect",
+        )
+        load.start()
+        extra: list[Record] = []
+        fault_at: float | None = None
+        try:
+            await asyncio.sleep(self.cfg.before_s)
+            action = getattr(self, "_" + name.replace("-", "_"))
+            fault_at = await action(result, extra)
+        finally:
+            await load.stop()
+        records = load.records + extra
+        self._count(result, records, fault_at)
+        await asyncio.to_thread(self._quiesce, result)
+        result.seconds = round(time.monotonic() - t0, 1)
+        return result
+
+    async def _baseline(self, result: Result, extra: list[Record]) -> float | None:
+        await asyncio.sleep(self.cfg.fault_s + self.cfg.after_s)
+        return None
+
+    async def _kill(self, w: WorkerProcess, result: Result) -> float:
+        at = time.monotonic()
+        await asyncio.to_thread(w.kill)
+        await asyncio.sleep(self.cfg.fault_s)
+        w.start()
+        await asyncio.to_thread(w.wait_healthy)
+        await self._recovery(w, result, baseline=0)
+        return at
+
+    async def _kill_prefill(self, result: Result, extra: list[Record]) -> float:
+        return await self._kill(self.prefill[0], result)
+
+    async def _kill_decode(self, result: Result, extra: list[Record]) -> float:
+        return await self._kill(self.decode[0], result)
+
+    async def _pause(self, w: WorkerProcess, result: Result) -> float:
+        at = time.monotonic()
+        w.pause()
+        await asyncio.sleep(self.cfg.fault_s)
+        w.resume()
+        await asyncio.to_thread(wait_until, lambda: httpx.get(f"{w.url}/health").is_success, 30)
+        baseline = (await asyncio.to_thread(w.stats))["transfers_ok"]
+        await self._recovery(w, result, baseline)
+        return at
+
+    async def _pause_prefill(self, result: Result, extra: list[Record]) -> float:
+        return await self._pause(self.prefill[0], result)
+
+    async def _pause_decode(self, result: Result, extra: list[Record]) -> float:
+        return await self._pause(self.decode[0], result)
+
+    async def _recovery(self, w: WorkerProcess, result: Result, baseline: int) -> None:
+        """Time from ``w`` answering health to its first transferred request
+        (load keeps running); then the after-phase."""
+        t = time.monotonic()
+        limit = 3 * LIMITS["recovery"]
+        served = await asyncio.to_thread(
+            wait_until, lambda: w.stats()["transfers_ok"] > baseline, limit
+        )
+        if served:
+            result.recovery_s = round(time.monotonic() - t, 2)
+        else:
+            result.notes.append(f"{w.name} got no traffic within {limit:g}s of answering health")
+        await asyncio.sleep(self.cfg.after_s)
+
+    async def _kv(self, command: str, hold_s: float) -> float:
+        at = time.monotonic()
+        self.fault_file.write_text(command)
+        await asyncio.sleep(hold_s)
+        self.fault_file.write_text("off")
+        return at
+
+    async def _kv_drop(self, result: Result, extra: list[Record]) -> float | None:
+        await self._kv("drop 1", self.cfg.transfer_timeout_s + self.cfg.fault_s)
+        await asyncio.sleep(self.cfg.after_s)
+        return None
+
+    async def _kv_delay(self, result: Result, extra: list[Record]) -> float | None:
+        await self._kv("delay 0.3", self.cfg.fault_s)
+        await asyncio.sleep(self.cfg.after_s)
+        return None
+
+    async def _disconnect(self, result: Result, extra: list[Record]) -> float | None:
+        await asyncio.sleep(self.cfg.fault_s + self.cfg.after_s)
+        return None
+
+    async def _admin_readd(self, result: Result, extra: list[Record]) -> float:
+        w = self.decode[0]
+        at = time.monotonic()
+        resp = await asyncio.to_thread(self.gateway.admin, "DELETE", f"/admin/workers?url={w.url}")
+        if resp.status_code != 200:
+            result.notes.append(f"removal answered {resp.status_code}: {resp.text[:200]}")
+        await asyncio.sleep(self.cfg.fault_s)
+        # Drained by now: a removed worker must get no new request.
+        before = (await asyncio.to_thread(w.stats))["transfers_ok"]
+        await asyncio.sleep(1.0)
+        baseline = (await asyncio.to_thread(w.stats))["transfers_ok"]
+        if baseline != before:
+            result.notes.append(f"{w.name} still got traffic after its removal")
+            result.server_errors += 1
+        resp = await asyncio.to_thread(
+            self.gateway.admin, "POST", "/admin/workers", json={"url": w.url, "role": "decode"}
+        )
+        if resp.status_code != 200:
+            result.notes.append(f"re-adding answered {resp.status_code}: {resp.text[:200]}")
+        await self._recovery(w, result, baseline)
+        return at
+
+    async def _malformed(self, result: Result, extra: list[Record]) -> float | None:
+        for _ in range(3):
+            extra += await send_malformed(self.gateway.url, self.admin_key, self.model_name, 2)
+            await asyncio.sleep(self.cfg.fault_s / 3)
+        await asyncio.sleep(self.cfg.after_s)
+        return None
+
+    async def _overload(self, result: Result, extra: list[Record]) -> float | None:
+        burst = Load(
+            self.gateway.url, self.model_name, self.prompts, 8 * self.cfg.clients, self.cfg.hang_s
+        )
+        burst.start()
+        await asyncio.sleep(self.cfg.fault_s)
+        await burst.stop()
+        extra += burst.records
+        if not any(r.outcome == "rejected" for r in burst.records):
+            result.notes.append("no 429 under overload")
+        await asyncio.sleep(self.cfg.after_s)
+        return None
+
+    # -- accounting --------------------------------------------------------------
+
+    def _count(self, result: Result, records: list[Record], fault_at: float | None) -> None:
+        result.requests = len(records)
+        for r in records:
+            if r.outcome == "server_error":
+                result.server_errors += 1
+            elif r.outcome in (
+                "ok",
+                "wrong",
+                "failed",
+                "rejected",
+                "disconnected",
+                "hung",
+                "accepted",
+            ):
+                setattr(result, r.outcome, getattr(result, r.outcome) + 1)
+        if result.accepted:
+            result.notes.append(f"{result.accepted} malformed requests got no 4xx")
+        # The worst outcomes first, a few of each.
+        for kind in ("wrong", "server_error", "hung", "accepted", "failed"):
+            shown = [r for r in records if r.outcome == kind][:3]
+            result.examples += [f"{kind}: {r.error[:1500]}" for r in shown]
+        if fault_at is not None:
+            served = [
+                r.first_token
+                for r in records
+                if r.started >= fault_at and r.outcome == "ok" and r.first_token is not None
+            ]
+            if served:
+                result.failover_s = round(min(served) - fault_at, 2)
+
+    def _quiesce(self, result: Result) -> None:
+        """Every live worker idle with its starting pool, nothing outstanding in
+        the gateway; what is not is reported as leaked or stuck."""
+        live = [w for w in self.workers if w.alive]
+
+        def pending() -> tuple[int, int, list[str]]:
+            leaked = stuck = 0
+            why = []
+            for w in live:
+                s, start = w.stats(), w.start_stats
+                busy = sum(
+                    s.get(k, 0)
+                    for k in (
+                        "running",
+                        "waiting",
+                        "in_flight",
+                        "rooms",
+                        "prealloc",
+                        "transferring",
+                    )
+                )
+                lost = start["available_pages"] - s["available_pages"]
+                if busy or lost:
+                    why.append(f"{w.name}: {busy} busy, {lost} pages short")
+                stuck += busy
+                leaked += max(0, lost)
+            for url, g in self.gateway.workers().items():
+                if g["outstanding_requests"]:
+                    stuck += g["outstanding_requests"]
+                    why.append(f"gateway: {g['outstanding_requests']} outstanding on {url}")
+            return leaked, stuck, why
+
+        last: tuple[int, int, list[str]] = (0, 0, [])
+
+        def idle() -> bool:
+            nonlocal last
+            last = pending()
+            return not last[0] and not last[1]
+
+        if not wait_until(idle, self.cfg.quiesce_s, poll_s=0.1):
+            result.leaked_pages, result.stuck = last[0], last[1]
+            result.notes += last[2]
+
+
+def _vocab(model: str | None) -> int:
+    if model is None:
+        from engine.tiny import VOCAB_SIZE
+
+        return VOCAB_SIZE
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return int(cfg["vocab_size"])
+
+
+# -- report ----------------------------------------------------------------------
+
+COLUMNS = (
+    ("scenario", 14),
+    ("requests", 8),
+    ("ok", 5),
+    ("wrong", 5),
+    ("failed", 6),
+    ("429", 5),
+    ("hung", 4),
+    ("leaked", 6),
+    ("5xx", 4),
+    ("failover_s", 10),
+    ("recovery_s", 10),
+)
+
+
+def _cell(r: Result, name: str) -> str:
+    value: Any = {
+        "failed": r.failed,
+        "429": r.rejected,
+        "leaked": r.leaked_pages + r.stuck,
+        "5xx": r.server_errors,
+    }.get(name, getattr(r, name, None))
+    if name in ("failover_s", "recovery_s"):
+        if value is None:
+            return "-"
+        kind = r.scenario.split("-")[0]
+        limit = LIMITS["recovery"] if name == "recovery_s" else LIMITS.get(kind)
+        return f"{value:.2f}" + ("!" if limit is not None and value > limit else "")
+    return str(value)
+
+
+def table(results: list[Result]) -> str:
+    head = " ".join(n.rjust(w) if i else n.ljust(w) for i, (n, w) in enumerate(COLUMNS))
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if "tcp only" in r.notes:
+            lines.append(f"{r.scenario.ljust(COLUMNS[0][1])} (skipped: the hook is tcp only)")
+            continue
+        cells = [_cell(r, n) for n, _ in COLUMNS]
+        lines.append(
+            " ".join(
+                c.rjust(w) if i else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))
+            )
+        )
+    return "\n".join(lines)
+
+
+async def run_matrix(cfg: MatrixConfig, on_result: Callable[[Result], None]) -> list[Result]:
+    log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="fault-matrix-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    matrix = Matrix(cfg, log_dir)
+    results: list[Result] = []
+    try:
+        await asyncio.to_thread(matrix.start)
+        for name in cfg.scenarios:
+            result = await matrix.run(name)
+            results.append(result)
+            on_result(result)
+            await asyncio.to_thread(_wait_settled, matrix)
+    except BaseException:
+        for w in [*matrix.workers]:
+            print(f"--- {w.name} ---\n{log_tail(w.log_path, 40)}", file=sys.stderr)
+        print(f"--- gateway ---\n{log_tail(matrix.gateway.log_path, 40)}", file=sys.stderr)
+        raise
+    finally:
+        await asyncio.to_thread(matrix.stop)
+    return results
+
+
+def _wait_settled(matrix: Matrix) -> None:
+    """Before the next scenario: every worker back in routing."""
+    if not wait_until(matrix._all_available, 30):
+        raise RuntimeError(f"workers did not all come back: {matrix.gateway.workers()}")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[MatrixConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--prefill", type=int, default=None, help="prefill workers (default 2; short: 1)"
+    )
+    ap.add_argument("--decode", type=int, default=2, help="decode workers (default %(default)s)")
+    ap.add_argument("--transfer-backend", default="tcp", choices=["tcp", "nixl"])
+    ap.add_argument(
+        "--model", default=None, help="checkpoint dir (default: the built-in tiny model)"
+    )
+    ap.add_argument(
+        "--clients", type=int, default=None, help="streaming clients (default 6; short: 4)"
+    )
+    ap.add_argument(
+        "--scenarios", default=None, help=f"comma-separated, from: {', '.join(ALL_SCENARIOS)}"
+    )
+    ap.add_argument(
+        "--short", action="store_true", help=f"{', '.join(SHORT_SCENARIOS)}, shorter phases"
+    )
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per engine process")
+    ap.add_argument(
+        "--log-dir", type=Path, default=None, help="worker and gateway logs (default: a temp dir)"
+    )
+    ap.add_argument(
+        "--json", type=Path, default=None, help="write the results (and the run's facts) here"
+    )
+    ns = ap.parse_args(argv)
+    scenarios = SHORT_SCENARIOS if ns.short else ALL_SCENARIOS
+    if ns.scenarios:
+        scenarios = tuple(s.strip() for s in ns.scenarios.split(",") if s.strip())
+        unknown = [s for s in scenarios if s not in ALL_SCENARIOS]
+        if unknown:
+            ap.error(f"unknown scenarios: {', '.join(unknown)}")
+    phases = dict(before_s=2.0, fault_s=3.0, after_s=2.0) if ns.short else {}
+    cfg = MatrixConfig(
+        prefill=ns.prefill if ns.prefill is not None else (1 if ns.short else 2),
+        decode=ns.decode,
+        backend=ns.transfer_backend,
+        model=ns.model,
+        clients=ns.clients if ns.clients is not None else (4 if ns.short else 6),
+        scenarios=scenarios,
+        threads=ns.threads,
+        log_dir=ns.log_dir,
+        **phases,
+    )
+    if any(s.endswith("-prefill") for s in scenarios) and cfg.prefill < 2:
+        ap.error("the prefill scenarios need --prefill 2 or more (a worker to fail over to)")
+    if any(s.endswith("-decode") or s == "admin-readd" for s in scenarios) and cfg.decode < 2:
+        ap.error("the decode scenarios need --decode 2 or more (a worker to fail over to)")
+    return cfg, ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, ns = parse_args(argv)
+    t0 = time.monotonic()
+    print(
+        f"fault matrix: {cfg.prefill} prefill + {cfg.decode} decode workers, {cfg.backend}, "
+        f"{cfg.clients} clients; scenarios: {', '.join(cfg.scenarios)}",
+        flush=True,
+    )
+
+    def show(r: Result) -> None:
+        print(table([r]).splitlines()[-1], flush=True)
+        for note in r.notes:
+            print(f"    note: {note}", flush=True)
+        for ex in r.examples:
+            print(f"    {ex}", flush=True)
+
+    print(table([]), flush=True)
+    results = asyncio.run(run_matrix(cfg, show))
+    print()
+    print(table(results))
+    bad = [r.scenario for r in results if r.bad]
+    elapsed = time.monotonic() - t0
+    print(
+        f"\n{len(results)} scenarios in {elapsed:.0f}s; "
+        + (f"FAILED: {', '.join(bad)}" if bad else "all clean")
+    )
+    if ns.json is not None:
+        record = {
+            "benchmark": "fault_matrix",
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "git_commit": git_commit(),
+            "command": "python benchmarks/fault_matrix.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "host": host_info(),
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+            "seconds": round(elapsed, 1),
+            "results": [asdict(r) for r in results],
+            "table": table(results),
+        }
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
