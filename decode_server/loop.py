@@ -55,7 +55,14 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
             self._kv_compat(),
             self.config.cluster_token or "",
             self.config.transfer_timeout_s,
+            self._rank_agents(),
         )
+
+    def _rank_agents(self) -> list[to_prefill.RankAgent]:
+        agents = self._open_rank_agents()
+        if agents is None:
+            return []
+        return [to_prefill.RankAgent(name, meta) for name, meta in agents.agents]
 
     # -- requests ------------------------------------------------------------
 

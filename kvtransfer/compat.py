@@ -21,7 +21,11 @@ def compat_info(
     page_size: int,
     page_bytes: int,
     backend: str,
+    tp_size: int = 1,
+    kv_head_ranges: str = "",
 ) -> dict[str, str]:
+    """``page_bytes``: one page of one rank's pool; ``kv_head_ranges``: the KV
+    heads each rank holds ("0-1,1-2"; empty: one rank holding all)."""
     return {
         "model": model,
         "architecture": architecture,
@@ -33,7 +37,14 @@ def compat_info(
         "page_bytes": str(page_bytes),
         "layout": LAYOUT,
         "backend": backend,
+        "tp_size": str(tp_size),
+        "kv_head_ranges": kv_head_ranges or f"0-{num_kv_heads}",
     }
+
+
+TP_FIELDS = frozenset({"tp_size", "kv_head_ranges", "page_bytes"})
+"""Fields the two sides may differ in: tensor-parallel groups of different
+sizes map onto each other (``kvtransfer.tp_map.plan`` checks that they do)."""
 
 
 def compat_hash(info: dict[str, str]) -> str:
@@ -42,8 +53,9 @@ def compat_hash(info: dict[str, str]) -> str:
 
 
 def describe_mismatch(prefill: dict[str, str], decode: dict[str, str]) -> str | None:
-    """A message naming every field on which the two sides differ, or None."""
-    keys = sorted(set(prefill) | set(decode))
+    """A message naming every field on which the two sides differ, or None
+    (the ``TP_FIELDS`` aside)."""
+    keys = sorted((set(prefill) | set(decode)) - TP_FIELDS)
     diffs = [
         f"{k} (prefill {prefill.get(k, '?')!s}, decode {decode.get(k, '?')!s})"
         for k in keys

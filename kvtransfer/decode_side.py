@@ -42,8 +42,12 @@ class DecodeKVPlane:
         compat: dict[str, str],
         cluster_token: str,
         handshake_timeout_s: float,
+        rank_agents: list[to_prefill.RankAgent] | None = None,
     ) -> None:
+        """``rank_agents``: with tensor parallelism, the agents of ranks 1..N-1
+        (``backend`` is rank 0's); prefill ranks write into each."""
         self.backend = backend
+        self.rank_agents = list(rank_agents or [])
         self.compat = compat
         self.cluster_token = cluster_token
         self.handshake_timeout_s = handshake_timeout_s
@@ -74,6 +78,7 @@ class DecodeKVPlane:
             mac=sign(self.cluster_token, self.endpoint, compat_hash(self.compat), nonce),
             agent=self.backend.agent_name,
             metadata=self.backend.metadata(),
+            ranks=self.rank_agents,
         )
         sock.send(to_prefill.encoder.encode(hs), zmq.NOBLOCK)
         peer = _Peer(sock, time.monotonic())

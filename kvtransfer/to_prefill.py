@@ -5,6 +5,13 @@ from __future__ import annotations
 import msgspec
 
 
+class RankAgent(msgspec.Struct, frozen=True):
+    """The transfer agent of one tensor-parallel rank of the decode engine."""
+
+    agent: str
+    metadata: bytes
+
+
 class Handshake(msgspec.Struct, tag="handshake", frozen=True):
     decode_name: str
     """The decode engine's bootstrap endpoint: its name on the KV plane."""
@@ -16,6 +23,9 @@ class Handshake(msgspec.Struct, tag="handshake", frozen=True):
     """Transfer-backend agent name of the decode engine."""
     metadata: bytes
     """Transfer-backend metadata of the decode engine's KV buffer."""
+    ranks: list[RankAgent] = []
+    """Agents of the decode engine's tensor-parallel ranks 1..N-1 (``agent``
+    is rank 0's), each over its own pool."""
 
 
 class Reserve(msgspec.Struct, tag="reserve", frozen=True):

@@ -62,6 +62,7 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             self._kv_compat(),
             self.config.cluster_token or "",
             self.engine.runner.pool.config.page_bytes,
+            self._open_rank_agents(write_timeout_s=self.config.transfer_timeout_s),
         )
 
     # -- requests ------------------------------------------------------------

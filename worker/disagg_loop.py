@@ -10,13 +10,15 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from engine.engine import Engine
+from engine.parallel.ranks import LeadRunner
 from engine.request import Request
 from engine.scheduler import Scheduler
 from kvtransfer.backend import TransferBackend
 from protocol.to_gateway import TokenDelta
 from worker.config import WorkerConfig
-from worker.kv_setup import engine_compat, kv_backend
+from worker.kv_setup import agent_name, backend_kwargs, engine_compat, kv_backend
 from worker.loop import Outbox, WorkerLoop, engine_stats, error_delta
+from worker.tp_kv import RankAgents
 
 
 class RoomLike(Protocol):
@@ -87,6 +89,8 @@ class DisaggLoop(WorkerLoop, Generic[RoomT, PlaneT]):
         super().__init__(config)
         self.engine = Engine(config.engine_config(), scheduler_cls)
         self.scheduler = self.engine.scheduler
+        self.rank_agents: RankAgents | None = None
+        """The transfer agents of the engine's other tensor-parallel ranks."""
         self.kv: PlaneT = self._open_kv_plane()
         self.rooms: Rooms[RoomT] = Rooms()
         self.clients: dict[str, bytes] = {}
@@ -109,6 +113,21 @@ class DisaggLoop(WorkerLoop, Generic[RoomT, PlaneT]):
             timeout=write_timeout_s,
             cluster_token=self.config.cluster_token,
         )
+
+    def _open_rank_agents(self, write_timeout_s: float | None = None) -> RankAgents | None:
+        """An agent on each of the engine's other ranks (None on one device)."""
+        runner = self.engine.runner
+        if not isinstance(runner, LeadRunner):
+            return None
+        kwargs = backend_kwargs(
+            self.config.transfer_backend,
+            self.config.host,
+            write_timeout_s,
+            self.config.cluster_token,
+        )
+        names = [agent_name(f"{self.role}-rank{r}") for r in range(1, runner.config.tp_size)]
+        self.rank_agents = RankAgents(runner, self.config.transfer_backend, names, kwargs)
+        return self.rank_agents
 
     def _kv_compat(self) -> dict[str, str]:
         return engine_compat(self.engine, self.config.transfer_backend)
@@ -145,5 +164,7 @@ class DisaggLoop(WorkerLoop, Generic[RoomT, PlaneT]):
     def close(self) -> None:
         try:
             self.kv.close()
+            if self.rank_agents is not None:
+                self.rank_agents.close()
         finally:
             self.engine.close()

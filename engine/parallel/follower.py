@@ -57,10 +57,14 @@ class RankContext:
         self.closers: list[Callable[[], None]] = []
         """Run when the rank stops."""
 
+    def send_event(self, event: Any) -> None:
+        """Tell the lead something (read by ``LeadRunner.events``)."""
+        self._conn.send(("event", event))
+
     def tick(self) -> None:
         for ticker in list(self.tickers):
             for event in ticker():
-                self._conn.send(("event", event))
+                self.send_event(event)
 
 
 def _watch_parent(parent_pid: int) -> None:
