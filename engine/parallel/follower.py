@@ -83,6 +83,7 @@ def follower_main(
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
     log_level: int,
+    cpu_threads: int,
 ) -> None:
     logging.basicConfig(
         level=log_level or logging.INFO,
@@ -93,6 +94,8 @@ def follower_main(
     # Ctrl-C reaches the whole process group; the lead decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if config.device == "cpu":
+        torch.set_num_threads(cpu_threads)
     try:
         device = torch.device(config.device)
         if device.type == "cuda":

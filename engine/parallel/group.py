@@ -80,7 +80,9 @@ class TPGroup:
         out = torch.empty(self.size * n * per, dtype=logits.dtype, device=logits.device)
         self._pg._allgather_base(out, logits.contiguous().view(-1)).wait()
         full = out.view(self.size, n, per).permute(1, 0, 2).reshape(n, self.size * per)
-        return full[:, :vocab_size]
+        # Padded shards: samplers read rows by their stride, so drop the padding
+        # into a dense tensor.
+        return full if self.size * per == vocab_size else full[:, :vocab_size].contiguous()
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """The lead's ``x`` on every rank (in place); returns it."""

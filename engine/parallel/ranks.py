@@ -100,6 +100,8 @@ class LeadRunner(ModelRunner):
                         theirs,
                         os.getpid(),
                         logging.getLogger().level,
+                        # CPU ranks share the cores the lead was given.
+                        max(1, torch.get_num_threads() // size),
                     ),
                     name=f"tp-rank-{rank}",
                     daemon=True,
