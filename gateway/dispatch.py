@@ -37,6 +37,10 @@ class NoWorkerAvailable(RuntimeError):
     """No healthy worker can take the request (HTTP 503)."""
 
 
+class WorkerDraining(WorkerError):
+    """The worker refused the request because it is stopping (nothing ran)."""
+
+
 class _NotDispatched(Exception):
     """``worker`` failed before the request produced anything: it could not be
     handed over, or the connection dropped before the first delta. Safe to send
@@ -205,6 +209,8 @@ class Dispatcher:
                     yield delta
                 return
             except _NotDispatched as e:
+                if isinstance(e.cause, WorkerDraining):
+                    self.router.mark_down(e.worker, str(e.cause))
                 if started:  # prefill's token is out: the request cannot move
                     raise e.error() from None
                 tried.add(e.worker.url)
@@ -295,11 +301,14 @@ async def _watch(
 ) -> AsyncIterator[TokenDelta]:
     """``gen``, noting in ``failed`` whether ``worker`` failed the request and
     in ``trace`` the stages it reported; a lost connection before the first
-    delta is raised as ``_NotDispatched`` (the worker produced nothing, so
-    another may take the request)."""
+    delta, or a refusal marked retryable (a draining worker), is raised as
+    ``_NotDispatched`` (the worker produced nothing, so another may take the
+    request)."""
     first = True
     try:
         async for delta in gen:
+            if first and delta.retry and delta.finish_reason == "error":
+                raise _NotDispatched(worker, WorkerDraining(delta.error or "worker is draining"))
             first = False
             if delta.finish_reason is not None:
                 # A request refused for its own parameters is no failure of the worker.

@@ -29,6 +29,10 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     """Set with finish_reason "error" when the request itself is at fault: the
     sampling parameter the worker refused (e.g. "grammar", one that does not
     compile). Not a failure of the worker."""
+    retry: bool = False
+    """Set with finish_reason "error" when the worker did not take the request
+    (it is draining before it stops): nothing of it ran, so the requester may
+    send it to another worker."""
 
 
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):

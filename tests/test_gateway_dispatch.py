@@ -117,6 +117,42 @@ def test_dead_worker_is_skipped_before_dispatch() -> None:
     run(go())
 
 
+class DrainingWorker(FakeWorker):
+    """Refuses every request as a draining worker does (retryable)."""
+
+    async def _serve(self) -> None:
+        while True:
+            ident, frame = await self.sock.recv_multipart()
+            msg = to_worker.decoder.decode(frame)
+            if isinstance(msg, (Heartbeat, Abort)):
+                continue
+            self.requests.append(msg.rid)
+            refused = TokenDelta(msg.rid, [], [], "error", error="draining", retry=True)
+            await self.sock.send_multipart([ident, to_gateway.encoder.encode(Tokens([refused]))])
+
+
+def test_draining_worker_refusal_goes_to_another_worker() -> None:
+    """A worker that refuses a request because it is stopping ran nothing of
+    it: the request goes to another worker, and the draining one is out of
+    routing at once (not after its health checks fail)."""
+
+    async def go() -> None:
+        async with DrainingWorker() as draining, FakeWorker() as live:
+            router, (w_draining, w_live) = router_with(draining.endpoint, live.endpoint)
+            d = Dispatcher(router, timeout_s=10, connect_timeout_s=CONNECT_TIMEOUT_S)
+            try:
+                deltas = await collect(d.stream([1, 2, 3], SPEC))
+                assert [t for x in deltas for t in x.token_ids] == [10, 11, 12]
+                assert len(draining.requests) == 1 and len(live.requests) == 1
+                assert not router.is_available(w_draining)
+                await collect(d.stream([1, 2, 3], SPEC))
+                assert len(draining.requests) == 1 and len(live.requests) == 2
+            finally:
+                await d.close()
+
+    run(go())
+
+
 def test_no_worker_left_to_try() -> None:
     async def go() -> None:
         ends = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]

@@ -569,8 +569,10 @@ def test_engine_death_stops_the_front(model_dir: str, tmp_path: Path) -> None:
 
 
 def test_sigterm_fails_in_flight_requests_and_exits_cleanly(model_dir: str, tmp_path: Path) -> None:
+    # No drain (--shutdown-timeout-s 0): SIGTERM stops at once; the drain is
+    # tested in test_worker_lifecycle.py.
     port = free_port()
-    cmd = worker_cmd("decode_server", model_dir, port, **ENGINE)
+    cmd = worker_cmd("decode_server", model_dir, port, shutdown_timeout_s=0.0, **ENGINE)
     with launch_worker(cmd, port, tmp_path / "worker.log") as w:
         engine_pid = w.info()["engine_pid"]
 

@@ -13,6 +13,7 @@ never needs torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -118,6 +119,22 @@ class WorkerConfig:
         "(default: %(default)s)",
         group=TRANSFER_GROUP,
     )
+    torch_threads: int | None = setting(
+        None,
+        help="intra-op CPU threads of the engine process (torch.set_num_threads); auto: "
+        "$OMP_NUM_THREADS when set, else half of the cores this process may use, so "
+        "that one engine never takes every core from the processes beside it (the "
+        "other engine, the front, the gateway) (default: auto)",
+        group=MODEL_GROUP,
+    )
+    shutdown_timeout_s: float = setting(
+        30.0,
+        help="on SIGTERM/Ctrl-C the worker takes no new request (refused as retryable, "
+        "and /health answers 503) and lets the in-flight ones finish for up to this "
+        "many seconds, then aborts the rest; a second signal stops at once; 0: no "
+        "drain (default: %(default)s)",
+        group=TRANSFER_GROUP,
+    )
     request_timeout_s: float = setting(
         600.0,
         help="fail a request still in the engine after this many seconds, e.g. one "
@@ -150,6 +167,10 @@ class WorkerConfig:
             raise ValueError("requester_timeout_s must be >= 0 (0 disables it)")
         if self.request_timeout_s < 0:
             raise ValueError("request_timeout_s must be >= 0 (0 disables it)")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0 (0: no drain)")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1 (or auto)")
 
     @classmethod
     def from_settings(cls, **settings: Any) -> WorkerConfig:
@@ -197,6 +218,17 @@ class WorkerConfig:
 
             return TINY_MODEL_NAME
         return os.path.basename(os.path.normpath(model)) or model
+
+    @property
+    def engine_threads(self) -> int:
+        """The engine process's intra-op thread count (``torch_threads`` resolved)."""
+        if self.torch_threads is not None:
+            return self.torch_threads
+        with contextlib.suppress(ValueError):
+            omp = int(os.environ.get("OMP_NUM_THREADS", ""))
+            if omp >= 1:
+                return omp
+        return max(1, _usable_cores() // 2)
 
     @property
     def is_resolved(self) -> bool:
@@ -323,6 +355,13 @@ def _kind(hint: Any, name: str) -> tuple[type, bool]:
 
 def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("auto", "none") else int(text)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _bracket(host: str) -> str:

@@ -6,7 +6,9 @@
 - control plane: ROUTER at an ``ipc://`` path chosen by the front, answering
   msgpack maps ``{"id": n, "op": ...}`` with ``{"id": n, "ok": bool, ...}``.
   Ops: ``ready`` (startup result: endpoints and static info, or the startup
-  error), ``ping``, ``stats``, ``server_info``, ``shutdown``.
+  error), ``ping``, ``stats``, ``server_info``, ``drain`` (refuse new requests
+  from now on, retryably; answers whether nothing is left in flight),
+  ``shutdown``.
 
 The control socket is bound before the model loads, so the front's ``ready``
 request waits in the queue and is answered as soon as startup ends either way.
@@ -96,8 +98,11 @@ class EngineServer:
         self.loop: Any = None  # WorkerLoop; imported lazily (torch)
         self.request_endpoint: str | None = None
         self.info: dict[str, Any] = {}
+        self.threads = 0
         self.exit_code = 0
         self._stop = False
+        self._draining = False
+        """Stopping: new requests are refused (retryable), in-flight ones finish."""
         self._started = time.monotonic()
         # rid -> requester. Only owned rids get deltas forwarded, so a request
         # ends with exactly one final delta even when it times out here.
@@ -111,6 +116,7 @@ class EngineServer:
             "bad_frames_total": 0,
             "duplicate_rids_total": 0,
             "timed_out_total": 0,
+            "refused_draining_total": 0,
             "engine_steps_total": 0,
             "engine_step_seconds_total": 0.0,
         }
@@ -181,6 +187,7 @@ class EngineServer:
         cfg = cfg.with_request_port(port)
         self.config = cfg
         self.request_endpoint = cfg.request_endpoint
+        self.threads = _set_threads(cfg.engine_threads)
         self.loop = self.role.make_loop(cfg)
         self.info = {
             "role": cfg.role,
@@ -191,6 +198,7 @@ class EngineServer:
             "page_size": cfg.engine.page_size,
             "context_length": cfg.engine.context_length,
             "transfer_backend": cfg.transfer_backend,
+            "torch_threads": self.threads,
             **self.loop.info(),
         }
 
@@ -309,6 +317,10 @@ class EngineServer:
                 log.warning("ignoring abort of %r from a requester that does not own it", msg.rid)
                 return
             self._abort_quietly(msg.rid)
+            return
+        if self._draining:
+            self._counters["refused_draining_total"] += 1
+            self._send(client, [_refused(msg.rid)], stamp=False)
             return
         if msg.rid in self._owners:
             self._counters["duplicate_rids_total"] += 1
@@ -430,6 +442,10 @@ class EngineServer:
                 reply["stages"] = self.loop.stages.histograms.snapshot()
             elif op == "server_info":
                 reply["info"] = {**self.info, "stats": self.stats()}
+            elif op == "drain":
+                self._draining = True
+                reply["in_flight"] = len(self._owners)
+                reply["idle"] = not self._owners and not self.loop.has_work()
             elif op == "shutdown":
                 self._stop = True
             elif op != "ping":
@@ -447,6 +463,23 @@ class EngineServer:
             "uptime_seconds": round(time.monotonic() - self._started, 3),
             **self._counters,
         }
+
+
+def _set_threads(n: int) -> int:
+    """Intra-op threads of this engine process: with torch's default (one per
+    core) every engine on a machine runs as many threads as there are cores,
+    and two of them beside any busy process thrash (a 2-core CPU served 0.55
+    instead of 16.5 req/s)."""
+    import torch
+
+    torch.set_num_threads(n)
+    log.info("intra-op threads: %d", torch.get_num_threads())
+    return torch.get_num_threads()
+
+
+def _refused(rid: str) -> TokenDelta:
+    why = "the worker is draining (shutting down)"
+    return TokenDelta(rid, [], [], "error", 0, why, retry=True)
 
 
 def _error(rid: str, message: str) -> TokenDelta:

@@ -288,6 +288,8 @@ class FrontState:
     started: float = field(default_factory=time.time)
     failure: str | None = None
     """Why the worker stopped, when it did not stop on request."""
+    draining: bool = False
+    """Stopping after the in-flight requests: /health answers 503."""
 
 
 def build_app(state: FrontState) -> FastAPI:
@@ -303,6 +305,8 @@ def build_app(state: FrontState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Any:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         try:
             await state.engine.ask("ping")
         except EngineUnavailable as e:
@@ -378,6 +382,43 @@ async def _watch_engine(state: FrontState, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
+DRAIN_POLL_S = 0.1
+
+
+async def _drain(state: FrontState, server: uvicorn.Server) -> None:
+    """Refuse new requests (the engine answers them as retryable), let the
+    in-flight ones finish for up to ``shutdown_timeout_s``, then stop (the
+    engine's shutdown aborts what is left)."""
+    limit = state.config.shutdown_timeout_s
+    state.draining = True
+    t0 = time.monotonic()
+    try:
+        reply = await state.engine.ask("drain")
+        log.info(
+            "draining: no new requests; %d in flight may finish within %gs, then the rest "
+            "are aborted",
+            reply["in_flight"],
+            limit,
+        )
+        while not reply["idle"]:
+            if time.monotonic() - t0 >= limit:
+                log.warning(
+                    "%d request(s) still in flight after %gs; aborting them",
+                    reply["in_flight"],
+                    limit,
+                )
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+            reply = await state.engine.ask("drain")
+        else:
+            log.info("drained in %.2fs", time.monotonic() - t0)
+    except EngineUnavailable as e:
+        log.warning("drain ended early: %s", e)
+    finally:
+        state.stopping.set()
+        server.should_exit = True
+
+
 async def _register(
     config: WorkerConfig, server: uvicorn.Server, engine: EngineHandle, state: FrontState
 ) -> None:
@@ -433,9 +474,15 @@ async def _serve(config: WorkerConfig, role: Role) -> str | None:
     engine = EngineHandle(config, role, f"ipc://{tmpdir}/ctrl")
     stop = asyncio.Event()
     server: _Server | None = None
+    state: FrontState | None = None
     tasks: list[asyncio.Task[None]] = []
 
     def on_signal(sig: signal.Signals) -> None:
+        drain = state is not None and not state.draining and config.shutdown_timeout_s > 0
+        if drain and server is not None and server.started and not stop.is_set():
+            log.info("received %s; draining (a second signal stops at once)", sig.name)
+            tasks.append(asyncio.create_task(_drain(state, server)))
+            return
         log.info("received %s; stopping", sig.name)
         stop.set()
         if server is not None:
