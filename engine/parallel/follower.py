@@ -100,6 +100,9 @@ def follower_main(
         device = torch.device(config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # The lead builds its side of the group only after every rank got here:
+        # a rank that fails before it cannot leave the lead waiting to join.
+        conn.send(("joining", None))
         group = TPGroup(
             Shard(rank, config.tp_size), follower_store(store_port, config.tp_size), device
         )

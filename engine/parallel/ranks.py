@@ -82,8 +82,17 @@ class _Rank:
 class LeadRunner(ModelRunner):
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         size = config.tp_size
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            first = device.index or 0
+            if first + size > torch.cuda.device_count():
+                raise RankError(
+                    f"tp_size {size} from {config.device} needs cuda:{first}..cuda:{first + size - 1}"
+                    f" but {torch.cuda.device_count()} CUDA device(s) are visible"
+                )
         self._closing = False
         self._failure: str | None = None
+        self._on_cuda = device.type == "cuda"
         self._store = lead_store(size)
         spawn = multiprocessing.get_context("spawn")
         self._ranks: list[_Rank] = []
@@ -110,7 +119,11 @@ class LeadRunner(ModelRunner):
                 theirs.close()
                 self._ranks.append(_Rank(rank, proc, ours, []))
             threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
-            device = torch.device(config.device)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            for r in self._ranks:
+                kind, value = self._receive(r, deadline, ("joining", "error"))
+                if kind == "error":
+                    raise RankError(f"tensor-parallel rank {r.rank} failed to start: {value}")
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             group = TPGroup(Shard(0, size), self._store, device)
@@ -146,7 +159,7 @@ class LeadRunner(ModelRunner):
             f"tensor-parallel rank {r.rank} (pid {r.proc.pid}) exited with code {r.proc.exitcode}"
         )
         log.error("%s; the engine cannot run forwards any more", self._failure)
-        if self.config.device.startswith("cuda"):
+        if self._on_cuda:
             time.sleep(CUDA_EXIT_GRACE_S)
             if not self._closing:
                 log.error("the engine did not stop after losing a rank; exiting")
