@@ -9,8 +9,9 @@ is how the filters' thresholds are found and how the noise is made:
   (``torch.topk``), not a sort of the row, and so does the top-p threshold of
   a row that also has a top-k (its nucleus lies within them: top-p is of the
   top-k mass). Without a top-k, the exact top-p threshold comes from a search
-  over the whole row that measures the mass above 64 pivots per pass
-  (``_nucleus_threshold``): six passes isolate one float32 value;
+  over the whole row that measures the mass above 16 pivots per pass
+  (``_nucleus_threshold``): eight passes isolate one float32 value, all in
+  one launch with one program per row;
 - thresholds are compared in the scaled-logit domain (``y >= thr`` is
   ``p >= p_thr`` for ``p = softmax(y)``), so no probabilities are written;
 - noise, filter and argmax are one pass over the row (``_gumbel_argmax_kernel``)
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
     from engine.sampling import SamplingBatch
 
 BLOCK = 4096
-PIVOTS = 64
-SEARCH_PASSES = 6
+PIVOTS = 16
+SEARCH_PASSES = 8
 """(PIVOTS + 1) ** SEARCH_PASSES > 2**32: enough to isolate one float32 value."""
+SEARCH_BLOCK = 1024
 C1 = tl.constexpr(_FMIX_C1)
 C2 = tl.constexpr(_FMIX_C2)
 SALT = tl.constexpr(_INDEX_SALT)
@@ -79,35 +81,48 @@ def _gumbel_argmax_kernel(
 
 
 @triton.jit
-def _mass_at_pivots_kernel(
-    y_ptr, stride, vocab, lse_ptr, lo_ptr, hi_ptr, todo_ptr, out_ptr,
-    PIVOTS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+def _nucleus_kernel(
+    y_ptr, stride, vocab, lse_ptr, lo_ptr, hi_ptr, target_ptr, todo_ptr, out_ptr,
+    PIVOTS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One block of one row: for each pivot ``p_j = lo + (hi - lo) * j // (PIVOTS + 1)``
-    (j = 1..PIVOTS, in the order-preserving integer image of float32), the
-    softmax mass of the block's tokens with ``y >= p_j``."""
+    """The whole search for one row in one program: each pass measures the
+    softmax mass of the row's tokens at or above ``PIVOTS`` evenly spaced
+    pivots of the bracket ``[lo, hi)`` (in the order-preserving integer image
+    of float32) and keeps the sub-bracket where the mass crosses ``target``.
+    The row is re-read every pass; a batch's rows (32 MB at 64 x 128k) stay in
+    L2 between passes. One program per row sums in one fixed order, so a row
+    always gets the same threshold."""
     row = tl.program_id(0)
-    blk = tl.program_id(1)
-    nblk = tl.num_programs(1)
-    if tl.load(todo_ptr + row) == 0:
-        return
-    lse = tl.load(lse_ptr + row)
     lo = tl.load(lo_ptr + row)
-    span = tl.load(hi_ptr + row) - lo
-    j = tl.arange(0, PIVOTS) + 1
-    # Pivots lie between two float32 images, so they fit in int32 (the product
-    # that places them does not).
-    pivots = (lo + span * j // (PIVOTS + 1)).to(tl.int32)
-    acc2 = tl.zeros((SUB, PIVOTS), tl.float32)
-    for sub in range(0, BLOCK, SUB):
-        offs = blk * BLOCK + sub + tl.arange(0, SUB)
-        y = tl.load(y_ptr + row * stride + offs, mask=offs < vocab, other=float("-inf"))
-        e = tl.exp(y - lse)
-        bits = y.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        acc2 += tl.where(key[:, None] >= pivots[None, :], e[:, None], 0.0)
-    acc = tl.sum(acc2, axis=0)
-    tl.store(out_ptr + (row * nblk + blk) * PIVOTS + j - 1, acc)
+    hi = tl.load(hi_ptr + row)
+    if tl.load(todo_ptr + row) != 0:
+        lse = tl.load(lse_ptr + row)
+        target = tl.load(target_ptr + row)
+        j = (tl.arange(0, PIVOTS) + 1).to(tl.int64)
+        for _ in range(PASSES):
+            # Pivots lie between two float32 images, so they fit in int32 (the
+            # product that places them does not).
+            pivots = lo + (hi - lo) * j // (PIVOTS + 1)
+            piv32 = pivots.to(tl.int32)
+            # Blocks' sums add up in float64: the mass near a top-p of 0.99 must
+            # be right to a few parts in 1e7, and a row has 100k+ terms.
+            acc = tl.zeros((PIVOTS,), tl.float64)
+            for start in range(0, vocab, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                y = tl.load(y_ptr + row * stride + offs, mask=offs < vocab, other=float("-inf"))
+                e = tl.exp(y - lse)
+                bits = y.to(tl.int32, bitcast=True)
+                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                block = tl.sum(tl.where(key[:, None] >= piv32[None, :], e[:, None], 0.0), axis=0)
+                acc += block.to(tl.float64)
+            # The mass falls as the pivot rises: the first n pivots reach the target.
+            reached = acc >= target
+            n = tl.sum(reached.to(tl.int32), axis=0)
+            new_lo = tl.max(tl.where(reached, pivots, lo), axis=0)
+            new_hi = tl.min(tl.where(reached, hi, pivots), axis=0)
+            lo = tl.where(n > 0, new_lo, lo)
+            hi = tl.where(n < PIVOTS, new_hi, hi)
+    tl.store(out_ptr + row, lo)
 
 
 def _sortable(x: torch.Tensor) -> torch.Tensor:
@@ -129,27 +144,21 @@ def _nucleus_threshold(y: torch.Tensor, target: torch.Tensor, todo: torch.Tensor
     the mass above ``PIVOTS`` evenly spaced pivots of the bracket ``[lo, hi)``
     at once, which shrinks it ``PIVOTS + 1`` times; ``SEARCH_PASSES`` passes
     bring any float32 bracket down to one value, which is then a value of the
-    row (the mass only changes at them)."""
+    row (the mass only changes at them). One launch does every pass
+    (``_nucleus_kernel``)."""
     rows, vocab = y.shape
+    y = y.contiguous()
     lse = torch.logsumexp(y, dim=-1)
     # mass(y >= min) = 1 >= target; mass(y >= anything above the max) = 0.
     lo = _sortable(y.amin(dim=-1))
     hi = _sortable(y.amax(dim=-1)) + 1
-    blocks = triton.cdiv(vocab, BLOCK)
-    masses = torch.empty(rows, blocks, PIVOTS, dtype=torch.float32, device=y.device)
-    todo_i = todo.to(torch.int32)
-    steps = torch.arange(1, PIVOTS + 1, device=y.device)
-    for _ in range(SEARCH_PASSES):
-        _mass_at_pivots_kernel[(rows, blocks)](
-            y, y.stride(0), vocab, lse, lo, hi, todo_i, masses, PIVOTS=PIVOTS, BLOCK=BLOCK, SUB=64
-        )
-        # Summed in a fixed order, so the same row always gets the same threshold.
-        reached = masses.sum(dim=1) >= target[:, None]
-        pivots = lo[:, None] + (hi - lo)[:, None] * steps // (PIVOTS + 1)
-        n = reached.sum(dim=-1, keepdim=True)
-        lo = torch.where(n > 0, pivots.gather(-1, (n - 1).clamp_min(0)), lo[:, None])[:, 0]
-        hi = torch.where(n < PIVOTS, pivots.gather(-1, n.clamp_max(PIVOTS - 1)), hi[:, None])[:, 0]
-    return _unsortable(lo)
+    out = torch.empty_like(lo)
+    _nucleus_kernel[(rows,)](
+        y, y.stride(0), vocab, lse, lo, hi, target.to(torch.float64).contiguous(),
+        todo.to(torch.int32), out,
+        PIVOTS=PIVOTS, PASSES=SEARCH_PASSES, BLOCK=SEARCH_BLOCK, num_warps=8,
+    )  # fmt: skip
+    return _unsortable(out)
 
 
 def _thresholds(y: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
