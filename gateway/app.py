@@ -57,7 +57,7 @@ from gateway.openai.structured import (
     with_grammar,
 )
 from gateway.openai.tools import ToolPlan, plan_tools, template_messages, tool_call_events
-from gateway.openai.validation import scores_prompt_only
+from gateway.openai.validation import check_messages, scores_prompt_only
 from gateway.routing import WorkerError, normalize_url
 from gateway.stages import RequestTrace
 from gateway.state import GatewayState
@@ -384,9 +384,8 @@ def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
         await _ready(state)
         _check_model(state, req.model)
         assert state.tokenizer is not None
+        check_messages(req.messages)
         msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-        if not msgs:
-            raise APIError(400, "messages must not be empty", param="messages")
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         constraint = one_constraint(
             Constraint(response_format_grammar(req.response_format), "response_format"),

@@ -298,3 +298,62 @@ def test_lm_eval_loglikelihood_request(app: App) -> None:
         tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
         assert lps == [fake_prompt_logprob(i - 1) for i in range(ctxlen, len(prompt))]
         assert all(lp == max(top.values()) for lp, top in zip(lps, tops))
+
+
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+_BAD_MESSAGES: list[tuple[list[dict[str, Any]], str]] = [
+    ([{"role": "boss", "content": "Hello"}], "messages[0].role"),
+    ([{"role": "", "content": "Hello"}], "messages[0].role"),
+    ([{"role": "User", "content": "Hello"}], "messages[0].role"),
+    ([*MESSAGES, {"role": "robot", "content": "Hi"}], "messages[1].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "system"}, *MESSAGES], "messages[0].content"),
+    ([*MESSAGES, {"role": "assistant"}], "messages[1].content"),
+    (
+        [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": None}],
+        "messages[1].content",
+    ),
+    ([{"role": "tool", "content": "42"}], "messages[0].tool_call_id"),
+    ([{"role": "tool", "content": "42", "tool_call_id": 7}], "messages[0].tool_call_id"),
+    ([{"role": "user", "content": "Hello", "name": 3}], "messages[0].name"),
+    ([{"role": "function", "content": "42"}], "messages[0].name"),
+]
+
+
+@pytest.mark.parametrize(("messages", "param"), _BAD_MESSAGES)
+def test_malformed_chat_messages_are_a_400_naming_the_field(
+    app: App, messages: list[dict[str, Any]], param: str
+) -> None:
+    # OpenAI refuses these too; a template would render them into some prompt.
+    err = assert_error(_send(app, "chat", messages=messages), 400, param)
+    assert param in err["message"], err
+
+
+_GOOD_MESSAGES: list[list[dict[str, Any]]] = [
+    [{"role": "system", "content": "Be brief."}, *MESSAGES],
+    [{"role": "developer", "content": "Be brief."}, *MESSAGES],
+    [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
+        }
+    ],
+    [{"role": "user", "content": "Hello", "name": "ann"}],
+    [*MESSAGES, {"role": "assistant", "content": "Hi"}, *MESSAGES],
+    [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}],
+    [
+        *MESSAGES,
+        {"role": "assistant", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ],
+    [{"role": "user", "content": ""}],
+]
+
+
+@pytest.mark.parametrize("messages", _GOOD_MESSAGES)
+def test_valid_chat_messages_are_served(app: App, messages: list[dict[str, Any]]) -> None:
+    resp = _send(app, "chat", messages=messages)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["role"] == "assistant"

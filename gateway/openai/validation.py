@@ -4,7 +4,7 @@ stop strings and token limits, or the 400 error that says what is wrong."""
 from __future__ import annotations
 
 from gateway.openai.errors import APIError
-from gateway.openai.requests import CompletionRequest, GenerationRequest, Prompt
+from gateway.openai.requests import ChatMessage, CompletionRequest, GenerationRequest, Prompt
 from gateway.text import Tokenizer
 from protocol.sampling import (
     SEED_MAX,
@@ -22,6 +22,8 @@ MAX_PENALTY = 2.0
 in [-2, 2]; the repetition penalty (an extension) in (0, 2]."""
 MAX_LOGIT_BIAS = 100.0
 """Logit bias values lie in [-100, 100]."""
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles OpenAI takes (``function`` is its deprecated form of ``tool``)."""
 
 
 def completion_prompts(
@@ -51,6 +53,45 @@ def completion_prompts(
 def _token_id_type(x: object) -> bool:
     # bool is an int subclass, but true is no token id.
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Each chat message is one OpenAI takes: a known role, and the fields that
+    role needs, or a 400 naming the first wrong one (``messages[2].role``).
+    A template would otherwise render an unknown role or a missing content
+    into some prompt, and the client would get an answer to a question it
+    never asked."""
+    if not messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if m.role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"{where}.role: invalid value {m.role!r}; supported values are "
+                + ", ".join(repr(r) for r in CHAT_ROLES),
+                param=f"{where}.role",
+                code="invalid_value",
+            )
+        extra = m.model_extra or {}
+        # An assistant turn that only calls tools carries no content.
+        calls = m.role == "assistant" and (
+            extra.get("tool_calls") is not None or extra.get("function_call") is not None
+        )
+        if m.content is None and not calls:
+            raise APIError(
+                400,
+                f"missing required parameter: {where}.content",
+                param=f"{where}.content",
+                code="missing_required_parameter",
+            )
+        required = {"tool": "tool_call_id", "function": "name"}.get(m.role)
+        for key in (required, "name"):
+            if key is None or (key not in extra and key != required):
+                continue
+            if not isinstance(extra.get(key), str):
+                why = f" (a {m.role} message needs one)" if key == required else ""
+                raise APIError(400, f"{where}.{key} must be a string{why}", param=f"{where}.{key}")
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
