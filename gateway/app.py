@@ -485,9 +485,7 @@ async def _generate(
         for i in range(req.n):
             choice_prompts.append(ids)
             seed = choice_seed(req.seed, i)
-            specs.append(
-                sampling_params(req, max_tokens, seed, shape.top_k or 0, state.vocab_size)
-            )
+            specs.append(sampling_params(req, max_tokens, seed, shape.top_k or 0, state.vocab_size))
     if constraint.grammar is not None:
         specs = [with_grammar(s, constraint.grammar) for s in specs]
     rid = shape.id_prefix + secrets.token_hex(12)

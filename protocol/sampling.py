@@ -123,8 +123,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             _check_grammar(self.grammar, self.ignore_eos)
         _check_logit_adjustments(self)
         if self.prompt_logprobs is not None and (
-            not _integer(self.prompt_logprobs)
-            or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+            not _integer(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
         ):
             raise InvalidSamplingParams(
                 "prompt_logprobs",
