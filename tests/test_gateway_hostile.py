@@ -11,6 +11,7 @@ processes: these run in the fast suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -123,12 +124,9 @@ class App:
         return exchange(self.host, self.port, list(requests))
 
 
-@pytest.fixture(scope="module")
-def app(model_dir: str) -> Iterator[App]:
-    router = Router(RouterConfig())
-    dispatcher = WireDispatcher()
-    config = GatewayConfig(admin_key=ADMIN_KEY)
-    state = _LocalState(config, router, HealthChecker(router), dispatcher, model_dir=model_dir)  # type: ignore[arg-type]
+@contextlib.contextmanager
+def serve_in_process(state: GatewayState, dispatcher: Any) -> Iterator[App]:
+    """The gateway app over ``state`` on a free port, in a thread of this process."""
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="critical")
@@ -146,6 +144,16 @@ def app(model_dir: str) -> Iterator[App]:
         server.should_exit = True
         thread.join(30)
         assert not thread.is_alive(), "the in-process gateway did not stop"
+
+
+@pytest.fixture(scope="module")
+def app(model_dir: str) -> Iterator[App]:
+    router = Router(RouterConfig())
+    dispatcher = WireDispatcher()
+    config = GatewayConfig(admin_key=ADMIN_KEY)
+    state = _LocalState(config, router, HealthChecker(router), dispatcher, model_dir=model_dir)  # type: ignore[arg-type]
+    with serve_in_process(state, dispatcher) as served:
+        yield served
 
 
 def assert_error(resp: httpx.Response, status: int, param: str | None) -> dict[str, Any]:

@@ -10,8 +10,6 @@ prompt logprobs with the first token when a request asks for them."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -19,11 +17,16 @@ import httpx
 import msgspec
 import openai
 import pytest
-import uvicorn
-from test_gateway_hostile import MESSAGES, MODEL, App, WireDispatcher, _LocalState, assert_error
-from workers import free_port
+from test_gateway_hostile import (
+    MESSAGES,
+    MODEL,
+    App,
+    WireDispatcher,
+    _LocalState,
+    assert_error,
+    serve_in_process,
+)
 
-from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.routing import HealthChecker, Router, RouterConfig
 from protocol.sampling import SamplingParams
@@ -64,23 +67,8 @@ def app(model_dir: str) -> Iterator[App]:
     state = _LocalState(
         GatewayConfig(), router, HealthChecker(router), dispatcher, model_dir=model_dir
     )  # type: ignore[arg-type]
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="critical")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "in-process gateway down"
-            time.sleep(0.02)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            yield App("127.0.0.1", port, state, dispatcher, http)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the in-process gateway did not stop"
+    with serve_in_process(state, dispatcher) as served:
+        yield served
 
 
 def _send(app: App, endpoint: str, **fields: Any) -> httpx.Response:
