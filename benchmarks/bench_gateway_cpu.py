@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import uvicorn
 import zmq
@@ -285,8 +285,18 @@ class _SSEReader(asyncio.Protocol):
             self.done.set_result((self.events, self.tail))
 
 
-async def stream_one(port: int, body: bytes, path: str, tally: ClientTally) -> None:
-    """One streamed request over its own connection, read to the end."""
+class StreamResult(NamedTuple):
+    head: bytes
+    """The response's status line and headers as they arrived."""
+    events: int
+    """SSE events read."""
+    tokens: int | None
+    """Completion tokens of the usage chunk (None: no usage chunk)."""
+
+
+async def post_stream(port: int, body: bytes, path: str) -> StreamResult:
+    """POST ``body`` to ``path`` over a connection of its own and read the
+    streamed answer to the end."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[tuple[int, bytes]] = loop.create_future()
     request = (
@@ -302,12 +312,18 @@ async def stream_one(port: int, body: bytes, path: str, tally: ClientTally) -> N
     finally:
         transport.close()
     usage = _USAGE.findall(tail)
-    if not proto.head.startswith(b"HTTP/1.1 200") or not usage:
+    return StreamResult(proto.head, events, int(usage[-1]) if usage else None)
+
+
+async def stream_one(port: int, body: bytes, path: str, tally: ClientTally) -> None:
+    """One streamed request over its own connection, read to the end."""
+    result = await post_stream(port, body, path)
+    if not result.head.startswith(b"HTTP/1.1 200") or result.tokens is None:
         tally.failed += 1
         return
     tally.requests += 1
-    tally.tokens += int(usage[-1])
-    tally.events += events - 1  # the usage chunk
+    tally.tokens += result.tokens
+    tally.events += result.events - 1  # the usage chunk
 
 
 def request_body(endpoint: str, max_tokens: int, i: int) -> tuple[str, bytes]:

@@ -30,11 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_gateway_cpu import (  # noqa: E402
-    _USAGE,
     RESULTS_DIR,
     FakeWorker,
-    _SSEReader,
     gateway_cmd,
+    post_stream,
     request_body,
 )
 from benchmarks.common import git_commit, host_info  # noqa: E402
@@ -80,26 +79,12 @@ class Tally:
 async def request_once(port: int, max_tokens: int, i: int, tally: Tally) -> None:
     """One streamed chat request over its own connection, read to the end."""
     path, body = request_body("chat", max_tokens, i)
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[tuple[int, bytes]] = loop.create_future()
-    request = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-        + body
-    )
-    transport, proto = await loop.create_connection(
-        lambda: _SSEReader(request, done), "127.0.0.1", port
-    )
-    try:
-        _, tail = await done
-    finally:
-        transport.close()
-    usage = _USAGE.findall(tail)
-    if proto.head.startswith(b"HTTP/1.1 429"):
+    result = await post_stream(port, body, path)
+    if result.head.startswith(b"HTTP/1.1 429"):
         tally.refused += 1
-    elif proto.head.startswith(b"HTTP/1.1 200") and usage:
+    elif result.head.startswith(b"HTTP/1.1 200") and result.tokens is not None:
         tally.served += 1
-        tally.tokens += int(usage[-1])
+        tally.tokens += result.tokens
     else:
         tally.failed += 1
 
