@@ -197,6 +197,8 @@ class WorkerClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._inboxes: dict[str, _Inbox] = {}
+        self._unsent: dict[str, asyncio.Future[None]] = {}
+        """Requests waiting for the connection; set by ``abort``."""
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -309,7 +311,7 @@ class WorkerClient:
         if self._closed:
             raise WorkerClientClosed("client is closed")
         rid = msg.rid
-        if rid in self._inboxes:
+        if rid in self._inboxes or rid in self._unsent:
             raise ValueError(f"request id {rid!r} is already in flight on this client")
         if not self._connected.is_set():
             # Invariant: a request is only handed to ZMQ while a connection is
@@ -318,16 +320,10 @@ class WorkerClient:
             if self._lost:
                 # Known dead: no request waits a connect timeout for it.
                 raise WorkerUnreachable(f"the connection to {self.endpoint} is down")
-            try:
-                async with asyncio.timeout(self.connect_timeout_s):
-                    await self._connected.wait()
-            except TimeoutError:
-                why = (
-                    f" (handshake failed: {self._handshake_error})" if self._handshake_error else ""
-                )
-                raise WorkerUnreachable(
-                    f"no connection to {self.endpoint} within {self.connect_timeout_s:g}s{why}"
-                ) from None
+            if await self._wait_connected(rid):
+                # Aborted before it was sent: the worker never hears of it.
+                yield TokenDelta(rid, [], [], "abort")
+                return
             if self._closed:
                 raise WorkerClientClosed("client is closed")
         loop = asyncio.get_running_loop()
@@ -365,6 +361,24 @@ class WorkerClient:
             if not finished and not self._closed:
                 self._post(Abort(rid))
 
+    async def _wait_connected(self, rid: str) -> bool:
+        """Until the connection is up (False) or ``abort(rid)`` is called
+        (True); ``WorkerUnreachable`` after ``connect_timeout_s``."""
+        aborted = self._unsent[rid] = asyncio.get_running_loop().create_future()
+        connected = asyncio.ensure_future(self._connected.wait())
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await asyncio.wait((connected, aborted), return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            why = f" (handshake failed: {self._handshake_error})" if self._handshake_error else ""
+            raise WorkerUnreachable(
+                f"no connection to {self.endpoint} within {self.connect_timeout_s:g}s{why}"
+            ) from None
+        finally:
+            connected.cancel()
+            del self._unsent[rid]
+        return aborted.done()
+
     async def _wait(self, inbox: _Inbox, rid: str) -> None:
         """Until ``inbox`` has an item; ``WorkerTimeout`` when none came within
         ``timeout_s`` of the last delta or of the start of this wait."""
@@ -397,7 +411,13 @@ class WorkerClient:
         )
 
     async def abort(self, rid: str) -> None:
-        """Ask the worker to stop ``rid``; its iterator then gets an "abort" delta."""
+        """Ask the worker to stop ``rid``; its iterator then gets an "abort" delta.
+        A request still waiting for the connection is never sent."""
+        unsent = self._unsent.get(rid)
+        if unsent is not None:
+            if not unsent.done():
+                unsent.set_result(None)
+            return
         if self._sock is None:
             await self.start()
         self._post(Abort(rid))

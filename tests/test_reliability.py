@@ -32,6 +32,7 @@ from protocol.client import WorkerClient, WorkerDisconnected, WorkerUnreachable
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate
+from worker.processes import free_port
 
 TOKEN = "reliability-secret"
 SPEC = SamplingParams(max_tokens=4, temperature=0.0)
@@ -87,6 +88,55 @@ def test_client_reports_a_token_mismatch_quickly() -> None:
                 with pytest.raises(WorkerUnreachable, match="within 1s"):
                     async for _ in client.generate(Generate("r", [1], SPEC)):
                         pass
+        finally:
+            server.close(0)
+
+    run(go())
+
+
+def test_abort_before_the_connection_is_up_never_sends_the_request() -> None:
+    """A request aborted while it waits for the connection ends with an
+    "abort" delta at once and never reaches the worker (which would otherwise
+    run it after dropping the Abort as one for an unknown request)."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    async def go() -> None:
+        server = zmq.Context.instance().socket(zmq.ROUTER)
+        server.linger = 0
+        secure_server(server, keys_for(TOKEN))
+        try:
+            async with WorkerClient(
+                endpoint, timeout_s=5, connect_timeout_s=30.0, auth=keys_for(TOKEN)
+            ) as client:
+                got: list[TokenDelta] = []
+
+                async def consume(rid: str) -> None:
+                    async for d in client.generate(Generate(rid, [1], SPEC)):
+                        got.append(d)
+
+                # Nothing listens yet: "early" waits for the connection.
+                early = asyncio.create_task(consume("early"))
+                while "early" not in client._unsent:
+                    await asyncio.sleep(0.01)
+                t0 = time.monotonic()
+                await client.abort("early")
+                await asyncio.wait_for(early, 5)
+                assert time.monotonic() - t0 < 1.0
+                assert [(d.rid, d.finish_reason) for d in got] == [("early", "abort")]
+                # Once the worker is up, the first message it gets is the next
+                # request's: neither "early" nor its Abort was sent.
+                server.bind(endpoint)
+                later = asyncio.create_task(consume("later"))
+                rids = []
+                t0 = time.monotonic()
+                while "later" not in rids and time.monotonic() - t0 < 10:
+                    if server.poll(0):
+                        msg = to_worker.decoder.decode(server.recv_multipart()[1])
+                        rids.append(getattr(msg, "rid", type(msg).__name__))
+                    await asyncio.sleep(0.01)
+                assert [r for r in rids if r != "Heartbeat"] == ["later"], rids
+                later.cancel()
         finally:
             server.close(0)
 

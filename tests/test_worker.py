@@ -570,28 +570,38 @@ def test_engine_death_stops_the_front(model_dir: str, tmp_path: Path) -> None:
 
 def test_sigterm_fails_in_flight_requests_and_exits_cleanly(model_dir: str, tmp_path: Path) -> None:
     # No drain (--shutdown-timeout-s 0): SIGTERM stops at once; the drain is
-    # tested in test_worker_lifecycle.py.
+    # tested in test_worker_lifecycle.py. Eight streams as long as the context
+    # allows keep the engine busy for seconds, far longer than a stop takes,
+    # so none can finish normally in between.
     port = free_port()
-    cmd = worker_cmd("decode_server", model_dir, port, shutdown_timeout_s=0.0, **ENGINE)
+    settings = {**ENGINE, "num_pages": 1200}
+    cmd = worker_cmd("decode_server", model_dir, port, shutdown_timeout_s=0.0, **settings)
     with launch_worker(cmd, port, tmp_path / "worker.log") as w:
         engine_pid = w.info()["engine_pid"]
 
-        async def go() -> list[TokenDelta] | str:
+        async def one(client: WorkerClient, i: int, first: asyncio.Event) -> list[TokenDelta] | str:
             got: list[TokenDelta] = []
-            async with WorkerClient(w.endpoint, timeout_s=30) as client:
-                try:
-                    async for d in client.generate(Generate("term-1", [3, 4, 5], greedy(120))):
-                        got.append(d)
-                        if len(got) == 2:
-                            w.proc.send_signal(signal.SIGTERM)
-                except WorkerDisconnected:
-                    return "disconnected"
+            try:
+                async for d in client.generate(Generate(f"term-{i}", [3, 4, 5 + i], greedy(500))):
+                    got.append(d)
+                    if len(got) == 2:
+                        first.set()
+            except WorkerDisconnected:
+                return "disconnected"
             return got
 
-        result = run(go())
-        assert result == "disconnected" or (
-            result[-1].finish_reason == "error" and "shutting down" in (result[-1].error or "")
-        ), result
+        async def go() -> list[list[TokenDelta] | str]:
+            first = asyncio.Event()
+            async with WorkerClient(w.endpoint, timeout_s=30) as client:
+                tasks = [asyncio.create_task(one(client, i, first)) for i in range(8)]
+                await first.wait()
+                w.proc.send_signal(signal.SIGTERM)
+                return list(await asyncio.gather(*tasks))
+
+        for result in run(go()):
+            assert result == "disconnected" or (
+                result[-1].finish_reason == "error" and "shutting down" in (result[-1].error or "")
+            ), result[-1]
         assert w.proc.wait(30) == 0
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)
