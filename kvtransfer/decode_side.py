@@ -1,5 +1,10 @@
 """The decode engine's end of the KV plane: one DEALER per prefill engine,
-opened on first use with a handshake; messages wait until it succeeds."""
+opened on first use with a handshake; messages wait until it succeeds.
+
+Each connection is watched: ZMTP heartbeats drop it when the prefill engine
+stops answering (killed, paused, cut off) and a socket monitor reports the
+drop, so rooms waiting for that engine's KV fail within
+``PEER_HEARTBEAT_TIMEOUT_S`` instead of at their transfer deadline."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.backend import TransferBackend
@@ -17,6 +23,11 @@ from kvtransfer.compat import compat_hash, sign
 from kvtransfer.endpoint import bind_router
 
 log = logging.getLogger(__name__)
+
+PEER_HEARTBEAT_IVL_S = 0.5
+PEER_HEARTBEAT_TIMEOUT_S = 1.5
+"""A prefill engine silent this long (no ZMTP PONG: libzmq answers PINGs in its
+own I/O thread, so a busy engine still answers) is taken as gone."""
 
 
 class PeerFailed(msgspec.Struct, frozen=True):
@@ -28,6 +39,7 @@ class PeerFailed(msgspec.Struct, frozen=True):
 @dataclass
 class _Peer:
     sock: zmq.Socket
+    monitor: zmq.Socket
     started: float
     ok: bool = False
     queued: list[bytes] = field(default_factory=list)
@@ -69,6 +81,9 @@ class DecodeKVPlane:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.endpoint.encode())
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(PEER_HEARTBEAT_IVL_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PEER_HEARTBEAT_TIMEOUT_S * 1000))
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         nonce = secrets.token_hex(8)
         hs = to_prefill.Handshake(
@@ -81,7 +96,7 @@ class DecodeKVPlane:
             ranks=self.rank_agents,
         )
         sock.send(to_prefill.encoder.encode(hs), zmq.NOBLOCK)
-        peer = _Peer(sock, time.monotonic())
+        peer = _Peer(sock, monitor, time.monotonic())
         self._peers[endpoint] = peer
         return peer
 
@@ -113,6 +128,15 @@ class DecodeKVPlane:
                     break
                 else:
                     events.append((endpoint, msg))
+            if endpoint in self._peers and self._disconnected(peer):
+                # The handshake state lives with the connection: the next use
+                # reconnects and shakes hands afresh (a restarted engine at
+                # the same address serves it).
+                self._drop(endpoint)
+                events.append(
+                    (endpoint, PeerFailed(f"the KV-plane connection to {endpoint} dropped"))
+                )
+                continue
             if (
                 not peer.ok
                 and endpoint in self._peers
@@ -130,9 +154,21 @@ class DecodeKVPlane:
                 )
         return events
 
+    @staticmethod
+    def _disconnected(peer: _Peer) -> bool:
+        dropped = False
+        while True:
+            try:
+                event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return dropped
+            dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
+
     def _drop(self, endpoint: str) -> None:
         peer = self._peers.pop(endpoint, None)
         if peer is not None:
+            peer.sock.disable_monitor()
+            peer.monitor.close(0)
             peer.sock.close(0)
 
     def drop_peer(self, endpoint: str, reason: str) -> None:
