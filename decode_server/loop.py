@@ -149,9 +149,16 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         self.stages.mark(req.rid, ADMITTED)
 
     def _fail_room(
-        self, room: Room, kind: str, reason: str | None, peer_alive: bool = True
+        self,
+        room: Room,
+        kind: str,
+        reason: str | None,
+        peer_alive: bool = True,
+        tell_peer: bool = True,
     ) -> None:
-        """End the request now; free its pages once no write can be in flight."""
+        """End the request now; free its pages once no write can be in flight
+        (``peer_alive``: one may be; ``tell_peer``: ask the prefill engine to
+        give the room up, which frees them sooner)."""
         req = room.req
         self.counters["transfers_failed"] += int(kind == "error")
         (log.warning if kind == "error" else log.debug)(
@@ -164,7 +171,8 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         elif room.state is DecodeState.TRANSFERRING and peer_alive:
             room.move(DecodeState.DRAINING)
             room.deadline = time.monotonic() + self.config.transfer_timeout_s
-            self.kv.send(room.prefill, to_prefill.AbortRoom(room.id, reason or kind))
+            if tell_peer:
+                self.kv.send(room.prefill, to_prefill.AbortRoom(room.id, reason or kind))
         else:
             # The peer never connected to our buffer, or is gone: nothing writes.
             self._release_room(room)
@@ -207,7 +215,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         events = self.kv.poll()
         for prefill, msg in events:
             if isinstance(msg, PeerFailed):
-                self._on_peer_failed(prefill, msg.reason)
+                self._on_peer_failed(prefill, msg)
                 continue
             room = self.rooms.get(msg.room)
             if room is None or room.prefill != prefill:
@@ -223,15 +231,22 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
                 self._release_room(room)
         return bool(events)
 
-    def _on_peer_failed(self, prefill: str, reason: str) -> None:
-        """The prefill engine is gone: nothing of it writes into our pages."""
+    def _on_peer_failed(self, prefill: str, failure: PeerFailed) -> None:
+        """The prefill engine is unusable. Its rooms fail now; their pages come
+        back at once if nothing of it can write into them, else after one more
+        timeout (a paused engine that resumes may still finish a write)."""
         for room in self.rooms:
             if room.prefill != prefill:
                 continue
-            if room.state is DecodeState.DRAINING:
+            if failure.writes_possible:
+                if room.state is DecodeState.TRANSFERRING:
+                    # No AbortRoom: the connection it would go on is the one
+                    # that just dropped.
+                    self._fail_room(room, "error", failure.reason, tell_peer=False)
+            elif room.state is DecodeState.DRAINING:
                 self._release_room(room)
             elif room.state is DecodeState.TRANSFERRING:
-                self._fail_room(room, "error", reason, peer_alive=False)
+                self._fail_room(room, "error", failure.reason, peer_alive=False)
             # A room still waiting for pages has sent nothing yet: it opens a
             # fresh connection (a restarted prefill worker at the same address
             # serves it; a refusal fails it then).

@@ -34,6 +34,9 @@ class PeerFailed(msgspec.Struct, frozen=True):
     """A prefill engine is unusable: handshake refused, unreachable, or silent."""
 
     reason: str
+    writes_possible: bool = False
+    """The engine may still be alive (its connection dropped: paused, cut off)
+    and write pages it was sent, so they stay held for one more timeout."""
 
 
 @dataclass
@@ -133,9 +136,8 @@ class DecodeKVPlane:
                 # reconnects and shakes hands afresh (a restarted engine at
                 # the same address serves it).
                 self._drop(endpoint)
-                events.append(
-                    (endpoint, PeerFailed(f"the KV-plane connection to {endpoint} dropped"))
-                )
+                reason = f"the KV-plane connection to {endpoint} dropped"
+                events.append((endpoint, PeerFailed(reason, writes_possible=True)))
                 continue
             if (
                 not peer.ok
