@@ -234,8 +234,11 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             room.first = FirstToken(r.token_id, r.logprob, r.finish_reason)
             room.computed_at = time.monotonic()
             room.move(PrefillState.SETTLING)
-            # The first token reaches the requester before the transfer ends.
             self._reply(r.rid, step_delta(r))
+        if results and self.deliver is not None:
+            # The first tokens leave now, before the pushes below: the
+            # requester streams them while the KV is on its way.
+            self.deliver(self.outbox.take())
         for req in batch.requests:
             room = self._room_of(req.rid)
             if room.state not in STOPPED:

@@ -189,6 +189,7 @@ class EngineServer:
         self.request_endpoint = cfg.request_endpoint
         self.threads = _set_threads(cfg.engine_threads)
         self.loop = self.role.make_loop(cfg)
+        self.loop.deliver = self._deliver
         self.info = {
             "role": cfg.role,
             "model": cfg.engine.model,
@@ -346,6 +347,10 @@ class EngineServer:
         deltas = self.loop.step()
         self._counters["engine_steps_total"] += 1
         self._counters["engine_step_seconds_total"] += time.perf_counter() - t0
+        self._deliver(deltas)
+
+    def _deliver(self, deltas: list[tuple[bytes, TokenDelta]]) -> None:
+        """Send each delta to its requester (if it still owns the request)."""
         by_client: dict[bytes, list[TokenDelta]] = {}
         for client, delta in deltas:
             if self._owners.get(delta.rid) != client:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -45,6 +46,10 @@ class WorkerLoop(ABC):
         self.stages = StageBook(config.role, StageSpans.from_env(f"{config.role} worker"))
         """Stage records of this loop's requests; the engine server opens and
         closes them, the loop stamps what happens inside."""
+        self.deliver: Callable[[list[tuple[bytes, TokenDelta]]], None] | None = None
+        """Set by the engine server: sends deltas at once, in the middle of a
+        step, for the deltas that must not wait for the rest of it (a prefill
+        worker's first token goes out before its KV is pushed)."""
 
     @abstractmethod
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
