@@ -10,6 +10,12 @@ the pages of N tokens into the destination's pool, timing ``write`` until
 1..n to dst pages 1..n (one descriptor); ``scattered`` maps n random pages to n
 random pages of a pool twice that size (about one descriptor per page).
 Prints a table and writes a JSON record under benchmarks/results/.
+
+``--pd-requests N`` also runs N disaggregated requests through a real prefill
+and a real decode worker on ``--device`` (``--pd-model``: a model directory,
+e.g. dummy weights from ``benchmarks/dummy_model.py``; default the built-in
+tiny model) and reports each request's decode-side KV wait, p50/p99
+(``benchmarks/kv_wait.py``); ``--pd-only`` skips the pool-to-pool cases.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.agent_process import AgentProcess  # noqa: E402
 from benchmarks.common import git_commit, host_info  # noqa: E402
+from benchmarks.kv_wait import print_summary, run_kv_wait  # noqa: E402
 from engine.kvcache.pool import KVPool, KVPoolConfig  # noqa: E402
 from engine.model_config import DTYPES, ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -306,6 +313,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-verify", action="store_true", help="skip the byte check of the moved pages"
     )
     p.add_argument(
+        "--pd-requests",
+        type=int,
+        default=0,
+        help="disaggregated requests through real workers for the decode-side KV wait "
+        "(0: skip; default 0)",
+    )
+    p.add_argument(
+        "--pd-model",
+        help="model directory of the workers of --pd-requests (default: the built-in tiny model)",
+    )
+    p.add_argument(
+        "--pd-prompt-len", type=int, default=512, help="prompt tokens per request (default 512)"
+    )
+    p.add_argument(
+        "--pd-output-len", type=int, default=4, help="output tokens per request (default 4)"
+    )
+    p.add_argument(
+        "--pd-concurrency",
+        type=int,
+        default=1,
+        help="requests in flight at once (default 1: the stamps of the two workers line up "
+        "best when neither is busy)",
+    )
+    p.add_argument("--pd-only", action="store_true", help="run only the --pd-requests measurement")
+    p.add_argument(
         "--output-file",
         type=Path,
         help="JSON output path (default benchmarks/results/kvtransfer-<shape>-<commit>-<time>.json)",
@@ -332,14 +364,30 @@ def main(argv: list[str] | None = None) -> None:
         f"{head_dim} head dim, {str(dtype).removeprefix('torch.')}, page size {args.page_size}"
     )
     rows: list[dict] = []
-    for backend in backends:
+    for backend in [] if args.pd_only else backends:
         try:
             rows += bench_backend(backend, args, shape, layouts)
         except Exception as e:  # e.g. nixl missing: report and go on with the others
             if args.backend != "all":
                 raise
             print(f"!! {backend} skipped: {str(e).strip().splitlines()[-1]}", flush=True)
-    print_table(rows)
+    if rows:
+        print_table(rows)
+    kv_waits = []
+    for backend in backends if args.pd_requests > 0 else []:
+        summary = run_kv_wait(
+            model=args.pd_model,
+            device=args.dst_device,
+            backend=backend,
+            requests=args.pd_requests,
+            concurrency=args.pd_concurrency,
+            prompt_len=args.pd_prompt_len,
+            output_len=args.pd_output_len,
+            settings={"page_size": args.page_size},
+            seed=args.seed,
+        )
+        print_summary(summary)
+        kv_waits.append(summary)
 
     commit = git_commit()
     now = datetime.now(UTC)
@@ -357,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": str(dtype).removeprefix("torch."),
         },
         "results": rows,
+        "kv_wait": kv_waits,
     }
     out = args.output_file or RESULTS_DIR / (
         f"kvtransfer-{label}-{commit}-{now.strftime('%Y%m%d-%H%M%S')}.json"

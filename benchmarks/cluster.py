@@ -65,8 +65,10 @@ class WorkerProcess:
     ) -> WorkerProcess:
         port = free_port()
         module = "prefill_server" if role == "prefill" else "decode_server"
+        # The CPU unless ``settings`` name a device.
+        settings = {"device": "cpu", **settings}
         config = WorkerConfig.from_settings(
-            role=role, model=model, host="127.0.0.1", port=port, device="cpu", **settings
+            role=role, model=model, host="127.0.0.1", port=port, **settings
         )
         cmd = [sys.executable, "-m", module, *config.to_argv()]
         return cls(name, role, port, cmd, env, log_dir / f"{name}.log")
