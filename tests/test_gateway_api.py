@@ -536,7 +536,10 @@ def test_top_logprobs_match_offline(gw: Gateway, offline: Offline) -> None:
         if ch.choices and ch.choices[0].logprobs
         for t in ch.choices[0].logprobs.content
     ]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    # The same tokens; logprobs equal up to float rounding (the second request
+    # reuses the cached prompt, so its forward runs other shapes).
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
     assert [len(t.top_logprobs) for t in streamed] == [k] * len(content)
 
     prompt = PROMPTS[1]
