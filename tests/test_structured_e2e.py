@@ -233,16 +233,25 @@ def check_calls(calls: list[Any], names: set[str]) -> list[tuple[str, str]]:
 
 
 def streamed_calls(stream: Any) -> tuple[list[tuple[str, str]], str | None]:
-    """Tool calls put together from streamed deltas, as the SDK's users do."""
+    """Tool calls put together from streamed deltas, as the SDK's users do.
+    A call's first delta has its id, type and name; later ones only carry
+    more of its arguments, which stream in pieces."""
     calls: dict[int, list[str]] = {}
+    pieces = 0
     finish = None
     for chunk in stream:
         for c in chunk.choices:
             finish = c.finish_reason or finish
             for d in c.delta.tool_calls or ():
+                first = d.index not in calls
+                assert (d.id is not None, d.type, d.function.name is not None) == (
+                    (True, "function", True) if first else (False, None, False)
+                )
                 entry = calls.setdefault(d.index, ["", ""])
                 entry[0] += d.function.name or ""
                 entry[1] += d.function.arguments or ""
+                pieces += 1
+    assert pieces > len(calls)
     return [tuple(calls[i]) for i in sorted(calls)], finish  # type: ignore[misc]
 
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from gateway.openai.choices import ChoiceEvent, join_events
 from gateway.openai.prompt_scoring import with_prompt_logprobs
 from gateway.openai.shapes import ResponseShape
+from gateway.openai.tools import whole_tool_calls
 
 
 def now() -> int:
@@ -74,7 +75,7 @@ def full_response(ctx: ResponseContext, results: list[list[ChoiceEvent]]) -> dic
             max((e.cached_tokens for e in events), default=0) if ctx.reports_cache(index) else 0
         )
         prefix = shape.prompt_text(ids)
-        calls = [c for e in events for c in e.tool_calls or ()]
+        calls = whole_tool_calls([c for e in events for c in e.tool_calls or ()])
         logprobs = shape.logprobs(toks, lps, tops, len(prefix))
         logprobs = with_prompt_logprobs(shape, ids, events, logprobs)
         choice = shape.choice(index, prefix + text, logprobs, finish, calls)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from gateway.openai.choices import ChoiceEvent
 from gateway.openai.errors import APIError
 from gateway.openai.structured import Constraint
-from gateway.text.tool_parsers import PARSERS, ForcedToolParser, ToolCallParser
+from gateway.text.tool_parsers import PARSERS, ForcedToolParser, ToolCallParser, merge_deltas
 from protocol.sampling import GrammarSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -170,19 +170,33 @@ async def tool_call_events(
     events: AsyncIterator[ChoiceEvent], parser: ToolCallParser
 ) -> AsyncIterator[ChoiceEvent]:
     """``events`` with the tool calls taken out of their text: each event
-    carries the content that is safe to send and, in ``tool_calls``, the calls
-    completed by it (OpenAI's streamed form, with their index in the choice).
-    A choice that made calls and stopped ends with "tool_calls"."""
-    count = 0
+    carries the content that is safe to send and, in ``tool_calls``, the
+    deltas of the calls that its text makes (OpenAI's streamed form: a call's
+    first delta has its ``index``, ``id``, ``type`` and name, later ones only
+    its ``index`` and the next piece of its arguments). A choice that made
+    calls and stopped ends with "tool_calls"."""
     async with contextlib.aclosing(events):  # type: ignore[type-var]
         async for ev in events:
-            text, calls = parser.feed(ev.text)
+            text, deltas = parser.feed(ev.text)
             finish = ev.finish_reason
             if finish is not None:
                 rest, more = parser.finish()
-                text, calls = text + rest, calls + more
-            deltas = [c.to_openai(count + k) for k, c in enumerate(calls)]
-            count += len(calls)
-            if finish == "stop" and count:
+                text, deltas = text + rest, deltas + more
+            if finish == "stop" and parser.num_calls:
                 finish = "tool_calls"
-            yield ev._replace(text=text, finish_reason=finish, tool_calls=deltas or None)
+            calls = [d.to_openai() for d in merge_deltas(deltas)]
+            yield ev._replace(text=text, finish_reason=finish, tool_calls=calls or None)
+
+
+def whole_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls that a choice's streamed ``tool_calls`` deltas make, each
+    whole (its first delta with the arguments of all its deltas put
+    together), in index order."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        call = calls.get(d["index"])
+        if call is None:
+            calls[d["index"]] = {**d, "function": dict(d["function"])}
+        else:
+            call["function"]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]

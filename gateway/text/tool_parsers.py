@@ -1,8 +1,9 @@
 """Tool calls in generated text, parsed as the text streams in.
 
 Each parser takes the text of one choice piece by piece (``feed``) and
-returns the text that is plain content, safe to send now, and the tool calls
-completed so far; ``finish`` returns what is left at the end. Formats:
+returns the text that is plain content, safe to send now, and the tool-call
+deltas that the text makes; ``finish`` returns what is left at the end.
+Formats:
 
 - ``HermesToolParser``: Qwen2.5 / Qwen3 (and Hermes) tags,
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number,
@@ -14,84 +15,398 @@ completed so far; ``finish`` returns what is left at the end. Formats:
   "required" or a named function): one ``{"name", "arguments"}`` object or a
   list of them.
 
-A call that does not parse stays content, so no generated text is lost.
-Whitespace-only content next to tool calls is dropped (held back until
-content that is not whitespace follows).
+Calls stream: once a call's ``"name"`` string has been read whole and its
+arguments object begins, the call's first delta names it and every later one
+carries the next piece of the arguments text, up to the end of that object
+and never past it. A call whose arguments come before its name, or are given
+as a JSON string, is sent whole once its object ends.
+
+The arguments of a call are the model's own text of its arguments object
+(for arguments given as a JSON string: the string's content, stripped; none
+given: ``{}``), so the pieces of a streamed call put together are the same
+text as the call parsed whole.
+
+A call that does not parse stays content, so no generated text is lost: text
+that is not call syntax is content, and an output that turns out not to be
+calls before any call was sent is content as a whole. Once a call has been
+sent it stays a call (cut short by the end of the output, its arguments are
+what came). Whitespace-only content next to tool calls is dropped (held back
+until content that is not whitespace follows).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 
 class ToolCall(NamedTuple):
+    """A whole call."""
+
     name: str
     arguments: str
     """The arguments as JSON text (an object)."""
 
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        """The OpenAI ``tool_calls`` entry, with a fresh id; ``index`` for a
-        streamed delta."""
-        call: dict[str, Any] = {
+
+class ToolCallDelta(NamedTuple):
+    """A piece of a streamed call. A call's first delta names it; later ones
+    only carry more of its arguments text."""
+
+    index: int
+    """The call's index among the choice's calls."""
+    name: str | None
+    """The call's name on its first delta, else None."""
+    arguments: str
+    """The next piece of the arguments text (maybe empty on the first delta)."""
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI streamed ``tool_calls`` entry: the first one with a fresh
+        ``id``, ``type`` and name, later ones only ``index`` and arguments."""
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {
+            "index": self.index,
             "id": "call_" + secrets.token_hex(12),
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
-        return call if index is None else {"index": index, **call}
 
 
-def call_from_json(
-    obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")
-) -> ToolCall | None:
-    """The call that a decoded JSON value names (None: it is not one)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args: Any = next((obj[k] for k in args_keys if k in obj), {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
+def merge_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
+    """``deltas`` with each run of deltas of one call made one delta."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index:
+            last = out[-1]
+            out[-1] = last._replace(arguments=last.arguments + d.arguments)
+        else:
+            out.append(d)
+    return out
+
+
+def join_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
+    """The whole calls that ``deltas`` make, in index order."""
+    names: dict[int, str] = {}
+    args: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.name is not None:
+            names[d.index] = d.name
+        args.setdefault(d.index, []).append(d.arguments)
+    return [ToolCall(names[i], "".join(args[i])) for i in sorted(args)]
+
+
+_WS = " \t\n\r"
+_STRING_STOP = re.compile(r'["\\]')
+_NESTED_STOP = re.compile(r'["{}\[\]]')
+_SCALAR_STOP = re.compile(r"[,}\] \t\n\r]")
+
+(
+    _START,
+    _FIRST_KEY,
+    _NEXT_KEY,
+    _KEY,
+    _COLON,
+    _VALUE,
+    _STRING,
+    _NESTED,
+    _SCALAR,
+    _AFTER,
+    _DONE,
+    _FAILED,
+) = range(12)
+_BETWEEN_TOKENS = (_START, _FIRST_KEY, _NEXT_KEY, _COLON, _VALUE, _AFTER)
+
+
+class _CallScanner:
+    """Reads the text of one call object, ``{"name": ..., "arguments":
+    {...}}``, as it arrives (leading whitespace skipped): where its arguments
+    value starts and ends, its name once that string is whole, where the
+    object ends, or that the text is no JSON object.
+
+    The object's members are read token by token; a member's value is skipped
+    by string/escape state and bracket depth, then checked with ``json`` once
+    it ends, so a text the scanner reads to its closing brace is a valid JSON
+    object. Of repeated members, the first counts. Text after the object is
+    kept in ``text`` but not read."""
+
+    def __init__(self, args_keys: tuple[str, ...]) -> None:
+        self.args_keys = args_keys
+        self.text = ""
+        self.pos = 0
+        """How far the text has been read: in a value, the text before ``pos``
+        is part of it (an escape's backslash waits for its next character)."""
+        self.name: str | None = None
+        self.arguments: str | None = None
+        """The canonical arguments text, once the arguments value ended."""
+        self.args_start: int | None = None
+        self.args_end: int | None = None
+        self.streamable = False
+        """The arguments are an object that began after the name was read."""
+        self.end: int | None = None
+        """Where the object ended (after its closing brace)."""
+        self.failed = False
+        """The text is not a JSON object (read up to ``pos``)."""
+        self.bad = False
+        """A JSON object, but no call: the name is not a non-empty string, or
+        the arguments not an object."""
+        self._state = _START
+        self._key = ""
+        self._start = 0
+        self._depth = 0
+        self._in_string = False
+        self._seen_name = False
+
+    @property
+    def active(self) -> bool:
+        """Still reading the object."""
+        return self.end is None and not self.failed
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        if self.active:
+            self._scan()
+
+    def call(self) -> ToolCall | None:
+        """The whole call (None: not one, or not ended)."""
+        if self.end is None or self.bad or self.name is None:
             return None
-    if not isinstance(args, dict):
+        return ToolCall(self.name, "{}" if self.arguments is None else self.arguments)
+
+    def _fail(self, pos: int) -> None:
+        self.failed = True
+        self._state = _FAILED
+        self.pos = pos
+
+    def _scan(self) -> None:
+        t, n, i = self.text, len(self.text), self.pos
+        while i < n:
+            s = self._state
+            if s in _BETWEEN_TOKENS:
+                while i < n and t[i] in _WS:
+                    i += 1
+                if i == n:
+                    break
+                ch = t[i]
+                if s == _START:
+                    if ch != "{":
+                        return self._fail(i)
+                    self._state = _FIRST_KEY
+                    i += 1
+                elif s in (_FIRST_KEY, _NEXT_KEY):
+                    if ch == "}" and s == _FIRST_KEY:
+                        self.end = self.pos = i + 1
+                        self._state = _DONE
+                        return None
+                    if ch != '"':
+                        return self._fail(i)
+                    self._start = i
+                    self._state = _KEY
+                    i += 1
+                elif s == _COLON:
+                    if ch != ":":
+                        return self._fail(i)
+                    self._state = _VALUE
+                    i += 1
+                elif s == _VALUE:
+                    self._start = i
+                    if self._key in self.args_keys and self.args_start is None:
+                        self.args_start = i
+                        self.streamable = ch == "{" and self.name is not None
+                    if ch == '"':
+                        self._state = _STRING
+                        i += 1
+                    elif ch in "{[":
+                        self._state = _NESTED
+                        self._depth = 1
+                        self._in_string = False
+                        i += 1
+                    else:
+                        self._state = _SCALAR
+                elif ch == ",":  # _AFTER
+                    self._state = _NEXT_KEY
+                    i += 1
+                elif ch == "}":
+                    self.end = self.pos = i + 1
+                    self._state = _DONE
+                    return None
+                else:
+                    return self._fail(i)
+            elif s in (_KEY, _STRING) or (s == _NESTED and self._in_string):
+                m = _STRING_STOP.search(t, i)
+                if m is None:
+                    i = n
+                    break
+                k = m.start()
+                if t[k] == "\\":
+                    if k + 1 >= n:
+                        i = k
+                        break
+                    i = k + 2
+                    continue
+                i = k + 1
+                if s == _NESTED:
+                    self._in_string = False
+                elif s == _KEY:
+                    try:
+                        self._key = json.loads(t[self._start : i])
+                    except ValueError:
+                        return self._fail(i)
+                    self._state = _COLON
+                elif not self._value_end(i):
+                    return None
+            elif s == _NESTED:
+                m = _NESTED_STOP.search(t, i)
+                if m is None:
+                    i = n
+                    break
+                ch = t[m.start()]
+                i = m.end()
+                if ch == '"':
+                    self._in_string = True
+                elif ch in "{[":
+                    self._depth += 1
+                else:
+                    self._depth -= 1
+                    if not self._depth and not self._value_end(i):
+                        return None
+            else:  # _SCALAR: ends at the delimiter after it, which is not read
+                m = _SCALAR_STOP.search(t, i)
+                if m is None:
+                    i = n
+                    break
+                i = m.start()
+                if not self._value_end(i):
+                    return None
+        self.pos = i
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+    def _value_end(self, end: int) -> bool:
+        """A member's value ended at ``end``: check it (False: the text failed)."""
+        raw = self.text[self._start : end]
+        is_args = self._start == self.args_start
+        if is_args:
+            self.args_end = end
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            self._fail(end)
+            return False
+        if self._key == "name" and not self._seen_name:
+            self._seen_name = True
+            if isinstance(value, str) and value:
+                self.name = value
+            else:
+                self.bad = True
+        elif is_args:
+            if isinstance(value, dict):
+                self.arguments = raw
+            elif isinstance(value, str) and _is_object_text(value):
+                self.arguments = value.strip()
+            else:
+                self.bad = True
+        self._state = _AFTER
+        return True
+
+
+def _is_object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+class _CallReader:
+    """One call being read, and how much of it has been sent."""
+
+    def __init__(self, args_keys: tuple[str, ...]) -> None:
+        self.scan = _CallScanner(args_keys)
+        self.index: int | None = None
+        """The call's index once its first delta was sent (None: not yet)."""
+        self.sent = 0
+        """Where the arguments text not sent yet begins."""
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _leftover(scan: _CallScanner, stop: int) -> str:
+    """The text of a streamed call, from the end of its arguments to
+    ``stop``, that is not part of the call: none when the object closes
+    properly, misses only its closing brace, or is cut short in its
+    arguments; else all of it (kept as content)."""
+    if scan.args_end is None:
+        return ""
+    if scan.end is not None:
+        rest = scan.text[scan.end : stop]
+    else:
+        rest = scan.text[scan.args_end : stop]
+        if rest.strip() == "}":
+            return ""
+    return rest if rest.strip() else ""
 
 
 class ToolCallParser(ABC):
+    ARGS_KEYS: tuple[str, ...] = ("arguments", "parameters")
+    """The members that may hold a call's arguments (the first found counts)."""
+
     def __init__(self) -> None:
         self.num_calls = 0
+        """Calls begun (their first delta sent)."""
         self._ws = ""
         """Trailing whitespace of the content, held back."""
 
     @abstractmethod
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Content that can be sent now, and the calls completed by ``text``."""
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Content that can be sent now, and the call deltas that ``text`` makes."""
 
     @abstractmethod
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """What is left at the end of the output."""
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole output at once."""
-        content, calls = self.feed(text)
+        content, deltas = self.feed(text)
         rest, more = self.finish()
-        return content + rest, calls + more
+        return content + rest, join_deltas(deltas + more)
 
-    def _content(self, text: str, calls: list[ToolCall], final: bool = False) -> str:
-        self.num_calls += len(calls)
+    def _content(self, text: str, final: bool = False) -> str:
         text = self._ws + text
         kept = text.rstrip()
         self._ws = text[len(kept) :]
-        if calls and not kept.strip():
-            kept = ""
         if final:
             if not self.num_calls:
                 kept += self._ws
             self._ws = ""
         return kept
+
+    def _begin(self) -> int:
+        self.num_calls += 1
+        return self.num_calls - 1
+
+    def _stream(self, call: _CallReader, out: list[ToolCallDelta]) -> None:
+        """The deltas of what ``call`` read since the last time, if it streams."""
+        scan = call.scan
+        name = None
+        if call.index is None:
+            if not scan.streamable:
+                return
+            assert scan.args_start is not None
+            call.index, call.sent, name = self._begin(), scan.args_start, scan.name
+        stop = scan.args_end if scan.args_end is not None else scan.pos
+        piece = scan.text[call.sent : stop]
+        call.sent = max(call.sent, stop)
+        if name is not None or piece:
+            out.append(ToolCallDelta(call.index, name, piece))
+
+    def _send_whole(self, call: ToolCall, out: list[ToolCallDelta]) -> None:
+        out.append(ToolCallDelta(self._begin(), call.name, call.arguments))
 
 
 class HermesToolParser(ToolCallParser):
@@ -101,14 +416,18 @@ class HermesToolParser(ToolCallParser):
     def __init__(self) -> None:
         super().__init__()
         self._buf = ""
-        self._inside = False
+        """Text outside the tags not sent yet (what may begin a tag)."""
+        self._call: _CallReader | None = None
+        """The call inside the open tag."""
+        self._search = 0
+        """Where in the call's text the search for the closing tag resumes."""
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buf += text
         content: list[str] = []
-        calls: list[ToolCall] = []
+        out: list[ToolCallDelta] = []
         while True:
-            if not self._inside:
+            if self._call is None:
                 i = self._buf.find(self.OPEN)
                 if i < 0:
                     # Hold back what may be the start of a tag.
@@ -118,110 +437,246 @@ class HermesToolParser(ToolCallParser):
                     break
                 content.append(self._buf[:i])
                 self._buf = self._buf[i + len(self.OPEN) :]
-                self._inside = True
-            else:
-                j = self._buf.find(self.CLOSE)
-                if j < 0:
-                    break
-                body, self._buf = self._buf[:j], self._buf[j + len(self.CLOSE) :]
-                self._inside = False
-                call = _json_call(body)
-                if call is None:
-                    content.append(self.OPEN + body + self.CLOSE)
-                else:
-                    calls.append(call)
-        return self._content("".join(content), calls), calls
+                self._call = _CallReader(self.ARGS_KEYS)
+                self._search = 0
+            call = self._call
+            call.scan.feed(self._buf)
+            self._buf = ""
+            self._stream(call, out)
+            end = self._tag_end(call)
+            if end is None:
+                break
+            stop, resume = end
+            content.append(self._end_call(call, stop, out))
+            self._buf = call.scan.text[resume:]
+            self._call = None
+        return self._content("".join(content)), out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def _tag_end(self, call: _CallReader) -> tuple[int, int] | None:
+        """Where the call's text ends, and where the text after its tag
+        resumes (None: not known yet).
+
+        Invariant: while the scanner reads the object, the closing tag is
+        text of it (inside a JSON string; outside one it ends the reading as
+        a failure), so a call's arguments may quote the tag. A streamed call
+        ends with its object (or where its reading failed, when only the
+        closing brace is missing): what follows is its closing tag, or, when
+        the model left the tag out, text outside the tags (content or the
+        next call). A call not streamed runs to the next closing tag, as a
+        whole that is one call or content."""
+        scan = call.scan
+        if scan.active:
+            return None
+        start = max(self._search, scan.end if scan.end is not None else scan.pos)
+        text = scan.text
+        if call.index is not None:
+            if scan.end is None:
+                start = _skip_ws(text, start)
+                if text.startswith("}", start):  # after arguments that failed their check
+                    start += 1
+            i = _skip_ws(text, start)
+            if text.startswith(self.CLOSE, i):
+                return i, i + len(self.CLOSE)
+            if self.CLOSE.startswith(text[i:]):
+                self._search = start
+                return None
+            return start, start
+        j = text.find(self.CLOSE, start)
+        if j < 0:
+            self._search = max(start, len(text) - len(self.CLOSE) + 1)
+            return None
+        return j, j + len(self.CLOSE)
+
+    def _end_call(
+        self, call: _CallReader, stop: int, out: list[ToolCallDelta], close: str = CLOSE
+    ) -> str:
+        """The call's tag ends at ``stop`` in its text (``close``: the text
+        that ends it): its deltas if it was not streamed, and the content it
+        leaves."""
+        scan = call.scan
+        if call.index is not None:
+            return _leftover(scan, stop)
+        whole = scan.call()
+        if whole is not None and not scan.text[scan.end : stop].strip():
+            self._send_whole(whole, out)
+            return ""
+        return self.OPEN + scan.text[:stop] + close
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        out: list[ToolCallDelta] = []
         rest, self._buf = self._buf, ""
-        if self._inside:
-            self._inside = False
+        call, self._call = self._call, None
+        if call is not None:
             # The model may end the output inside its last tag.
-            call = _json_call(rest)
-            if call is not None:
-                return self._content("", [call], final=True), [call]
-            rest = self.OPEN + rest
-        return self._content(rest, [], final=True), []
+            rest = self._end_call(call, len(call.scan.text), out, close="")
+            if call.index is not None and self.CLOSE.startswith(rest.strip()):
+                rest = ""  # the start of the closing tag, cut short
+        return self._content(rest, final=True), out
 
 
-class Llama3JsonToolParser(ToolCallParser):
+_CALL, _MORE, _BAD = range(3)
+"""What follows in a list of calls: a call object, nothing yet, no call syntax."""
+
+
+class _CallListParser(ToolCallParser):
+    """An output that is only calls, one after another, in some syntax
+    around them (``_read``). Invariant: until a call is sent, the whole
+    output is kept, and it all becomes content when it turns out not to be
+    calls; once one is sent, only the text from where the calls end is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""
+        """Text not read yet."""
+        self._whole = ""
+        """The whole output, while no call has been sent."""
+        self._gap = ""
+        """The syntax read since the last call (or the output's start)."""
+        self._call: _CallReader | None = None
+        self._plain = False
+        """The rest of the output is content."""
+
+    @abstractmethod
+    def _read(self, text: str) -> tuple[int, int]:
+        """Reads the syntax at the start of ``text`` up to the next call:
+        how many characters, and what follows them (``_CALL``: a call object
+        begins; ``_MORE``: the rest of the text waits for more; ``_BAD``: not
+        call syntax)."""
+
+    def _after_call(self) -> None:
+        """A call object ended."""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self._plain:
+            return self._content(text), []
+        if not self.num_calls:
+            self._whole += text
+        self._buf += text
+        content: list[str] = []
+        out: list[ToolCallDelta] = []
+        while not self._plain:
+            call = self._call
+            if call is None:
+                n, what = self._read(self._buf)
+                self._gap += self._buf[:n]
+                self._buf = self._buf[n:]
+                if what == _MORE:
+                    break
+                if what == _BAD:
+                    content.append(self._give_up(self._gap + self._buf))
+                    break
+                call = self._call = _CallReader(self.ARGS_KEYS)
+            scan = call.scan
+            scan.feed(self._buf)
+            self._buf = ""
+            self._stream(call, out)
+            if scan.active:
+                break
+            if call.index is None:
+                whole = scan.call()
+                if whole is None:
+                    content.append(self._give_up(self._gap + scan.text))
+                    break
+                self._send_whole(whole, out)
+            elif scan.end is None:  # the object broke after its arguments were sent
+                assert scan.args_end is not None
+                if scan.text[scan.args_end : scan.pos].strip():
+                    content.append(self._give_up(scan.text[scan.args_end :]))
+                    break
+                # Only the closing brace is missing: the calls go on from there.
+            self._buf = scan.text[scan.pos :]
+            self._gap = ""
+            self._call = None
+            self._after_call()
+        if self.num_calls:
+            self._whole = ""
+        return self._content("".join(content)), out
+
+    def _give_up(self, rest: str) -> str:
+        """The content that the output is from here on: all of it when no
+        call was sent, else ``rest``."""
+        self._plain = True
+        self._buf = ""
+        return rest if self.num_calls else self._whole
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        rest = ""
+        if not self._plain:
+            call = self._call
+            if not self.num_calls:
+                rest = self._whole
+            elif call is None:
+                rest = self._buf
+            elif call.index is None:
+                rest = self._gap + call.scan.text
+            else:
+                rest = _leftover(call.scan, len(call.scan.text))
+        self._buf = self._whole = self._gap = ""
+        self._call = None
+        self._plain = True
+        return self._content(rest, final=True), []
+
+
+class Llama3JsonToolParser(_CallListParser):
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""
-        self._calls: bool | None = None
-        """Whether the output is tool calls (None: not known yet)."""
+        self._open = False
+        """The output begins as calls (a ``{`` or the python tag)."""
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buf += text
-        if self._calls is None:
-            head = self._buf.lstrip()
-            if not head or (self.PYTHON_TAG.startswith(head) and head != self.PYTHON_TAG):
-                return "", []
-            self._calls = head.startswith(("{", self.PYTHON_TAG))
-        if self._calls:
-            return "", []
-        out, self._buf = self._buf, ""
-        return self._content(out, []), []
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        rest, self._buf = self._buf, ""
-        if self._calls:
-            calls = _llama_calls(rest)
-            if calls:
-                return self._content("", calls, final=True), calls
-        return self._content(rest, [], final=True), []
+    def _read(self, text: str) -> tuple[int, int]:
+        i = 0
+        if not self._open:
+            i = len(text) - len(text.lstrip())
+            head = text[i:]
+            if head.startswith(self.PYTHON_TAG):
+                i += len(self.PYTHON_TAG)
+            elif not head or self.PYTHON_TAG.startswith(head):
+                return i, _MORE
+            elif head[0] != "{":
+                return i, _BAD
+            self._open = True
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
+        if i == len(text):
+            return i, _MORE
+        return i, (_CALL if text[i] == "{" else _BAD)
 
 
-class ForcedToolParser(ToolCallParser):
+class ForcedToolParser(_CallListParser):
+    ARGS_KEYS = ("arguments",)
+
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""
+        self._state = "start"
+        """What comes next: "start" (``[`` or a call), "first" (a call or
+        ``]``), "call", "next" (``,`` or ``]``) or "end" (nothing)."""
+        self._list = False
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buf += text
-        return "", []
+    def _read(self, text: str) -> tuple[int, int]:
+        i = 0
+        while True:
+            while i < len(text) and text[i] in _WS:
+                i += 1
+            if i == len(text):
+                return i, _MORE
+            ch, state = text[i], self._state
+            if state == "start" and ch == "[":
+                self._list = True
+                self._state = "first"
+            elif state in ("start", "first", "call") and ch == "{":
+                return i, _CALL
+            elif (state == "first" and ch == "]") or (state == "next" and ch == "]"):
+                self._state = "end"
+            elif state == "next" and ch == ",":
+                self._state = "call"
+            else:
+                return i, _BAD
+            i += 1
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        rest, self._buf = self._buf, ""
-        try:
-            value = json.loads(rest)
-        except ValueError:
-            value = None  # cut short (max_tokens): the text stays content
-        items = value if isinstance(value, list) else [value]
-        calls = [call_from_json(v, ("arguments",)) for v in items]
-        if value is None or not calls or any(c is None for c in calls):
-            return self._content(rest, [], final=True), []
-        done = [c for c in calls if c is not None]
-        return self._content("", done, final=True), done
-
-
-def _json_call(body: str) -> ToolCall | None:
-    try:
-        return call_from_json(json.loads(body))
-    except ValueError:
-        return None
-
-
-def _llama_calls(text: str) -> list[ToolCall] | None:
-    """``{...}; {...}`` after an optional python tag, each a call (None: not so)."""
-    text = text.strip().removeprefix(Llama3JsonToolParser.PYTHON_TAG).strip()
-    decoder = json.JSONDecoder()
-    calls: list[ToolCall] = []
-    pos = 0
-    while pos < len(text):
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            return None
-        call = call_from_json(obj)
-        if call is None:
-            return None
-        calls.append(call)
-        while pos < len(text) and text[pos] in " \t\r\n;":
-            pos += 1
-    return calls or None
+    def _after_call(self) -> None:
+        self._state = "next" if self._list else "end"
 
 
 def _prefix_overlap(text: str, tag: str) -> int:
