@@ -204,6 +204,39 @@ class Dispatcher:
             started = False
             try:
                 rid = f"{base}-{len(tried)}-{secrets.token_hex(4)}"
+                if prefill is None:
+                    # The decode worker alone (it prefills locally): its
+                    # stream is read here, with no generator of its own in
+                    # between (this loop runs once per token).
+                    load = len(prompt_ids) + spec.max_tokens
+                    self.router.begin(decode, load)
+                    failed: set[WorkerInfo] = set()
+                    try:
+                        gen = await self._generate_alone(rid, prompt_ids, spec, decode, trace)
+                        # What ``_watch`` does: only a request's first and
+                        # final deltas need a look.
+                        first = True
+                        try:
+                            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                                async for delta in gen:
+                                    if first or delta.finish_reason is not None:
+                                        _note(delta, first, decode, failed, trace)
+                                        first = False
+                                    started = True
+                                    yield delta
+                        except WorkerError as e:
+                            not_dispatched = _failure(e, first, decode, failed)
+                            if not_dispatched is not None:
+                                raise not_dispatched from e
+                            raise
+                    except _NotDispatched as e:
+                        failed.add(e.worker)  # also one that could not be handed the request
+                        raise
+                    finally:
+                        # Only a worker that failed counts against its breaker;
+                        # a client leaving early is nobody's fault.
+                        self.router.end(decode, load, decode not in failed)
+                    return
                 async for delta in self._attempt(rid, prompt_ids, spec, prefill, decode, trace):
                     started = True
                     yield delta
@@ -221,46 +254,44 @@ class Dispatcher:
                     "request of %d tokens: retrying on another worker: %s", len(prompt_ids), e
                 )
 
+    async def _generate_alone(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        spec: SamplingParams,
+        decode: WorkerInfo,
+        trace: RequestTrace | None,
+    ) -> AsyncIterator[TokenDelta]:
+        """The request sent to ``decode`` alone (it prefills locally): its stream."""
+        log.debug("rid=%s: prefill -, decode %s", rid, decode.url)
+        client = await self._client(decode)
+        _dispatched(trace, rid, "", {decode.role: decode.url})
+        # merge: deltas that piled up while the gateway was busy go on as one
+        # (fewer, larger SSE chunks when a client falls behind).
+        stages = trace.clock if trace is not None else None
+        return client.generate(Generate(rid, prompt_ids, spec), stages=stages, merge=True)
+
     async def _attempt(
         self,
         rid: str,
         prompt_ids: list[int],
         spec: SamplingParams,
-        prefill: WorkerInfo | None,
+        prefill: WorkerInfo,
         decode: WorkerInfo,
         trace: RequestTrace | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        log.debug(
-            "rid=%s: prefill %s, decode %s",
-            rid,
-            prefill.url if prefill else "-",
-            decode.url,
-        )
+        """The request on a prefill and a decode worker: prefill's first
+        token, then decode's stream (``merge_prefill_decode``)."""
+        log.debug("rid=%s: prefill %s, decode %s", rid, prefill.url, decode.url)
         load = len(prompt_ids) + spec.max_tokens
         self.router.begin(decode, load)
-        if prefill is not None:
-            self.router.begin(prefill, len(prompt_ids))
+        self.router.begin(prefill, len(prompt_ids))
         failed: set[WorkerInfo] = set()
         stages = trace.clock if trace is not None else None
         # aclosing: leaving this iterator early closes the worker streams now
         # (which aborts the request on the workers), not when the inner
         # generators happen to be garbage-collected.
         try:
-            if prefill is None:
-                client = await self._client(decode)
-                _dispatched(trace, rid, "", {decode.role: decode.url})
-                # merge: deltas that piled up while the gateway was busy go on
-                # as one (fewer, larger SSE chunks when a client falls behind).
-                gen = _watch(
-                    client.generate(Generate(rid, prompt_ids, spec), stages=stages, merge=True),
-                    decode,
-                    failed,
-                    trace,
-                )
-                async with contextlib.aclosing(gen):  # type: ignore[type-var]
-                    async for delta in gen:
-                        yield delta
-                return
             room = secrets.token_hex(16)
             dclient, pclient = await self._client(decode), await self._client(prefill)
             p_msg = Prefill(rid, prompt_ids, spec, room, decode.bootstrap_endpoint)
@@ -282,8 +313,7 @@ class Dispatcher:
             # Only a worker that failed counts against its breaker; a client
             # leaving early is nobody's fault.
             self.router.end(decode, load, decode not in failed)
-            if prefill is not None:
-                self.router.end(prefill, len(prompt_ids), prefill not in failed)
+            self.router.end(prefill, len(prompt_ids), prefill not in failed)
 
 
 def _dispatched(trace: RequestTrace | None, rid: str, room: str, workers: dict[str, str]) -> None:
@@ -307,23 +337,48 @@ async def _watch(
     first = True
     try:
         async for delta in gen:
-            if first and delta.retry and delta.finish_reason == "error":
-                raise _NotDispatched(worker, WorkerDraining(delta.error or "worker is draining"))
+            _note(delta, first, worker, failed, trace)
             first = False
-            if delta.finish_reason is not None:
-                # A request refused for its own parameters is no failure of the worker.
-                if delta.finish_reason == "error" and delta.error_param is None:
-                    failed.add(worker)
-                if delta.stages is not None and trace is not None:
-                    trace.report(worker.role, delta.stages)
             yield delta
     except WorkerError as e:
-        failed.add(worker)
-        if first and isinstance(e, (WorkerUnreachable, WorkerDisconnected, WorkerClientClosed)):
-            raise _NotDispatched(worker, e) from e
+        not_dispatched = _failure(e, first, worker, failed)
+        if not_dispatched is not None:
+            raise not_dispatched from e
         raise
     finally:
         await gen.aclose()  # type: ignore[attr-defined]
+
+
+def _note(
+    delta: TokenDelta,
+    first: bool,
+    worker: WorkerInfo,
+    failed: set[WorkerInfo],
+    trace: RequestTrace | None,
+) -> None:
+    """``_watch``'s look at one delta of ``worker`` (``first``: the request's
+    first): a refusal marked retryable is raised as ``_NotDispatched``; a final
+    delta notes whether the worker failed and the stages it reported."""
+    if first and delta.retry and delta.finish_reason == "error":
+        raise _NotDispatched(worker, WorkerDraining(delta.error or "worker is draining"))
+    if delta.finish_reason is not None:
+        # A request refused for its own parameters is no failure of the worker.
+        if delta.finish_reason == "error" and delta.error_param is None:
+            failed.add(worker)
+        if delta.stages is not None and trace is not None:
+            trace.report(worker.role, delta.stages)
+
+
+def _failure(
+    e: WorkerError, first: bool, worker: WorkerInfo, failed: set[WorkerInfo]
+) -> _NotDispatched | None:
+    """``worker``'s stream failed with ``e``: the worker failed; a lost
+    connection before the first delta is ``_NotDispatched`` (returned to be
+    raised; None: ``e`` goes on as it is)."""
+    failed.add(worker)
+    if first and isinstance(e, (WorkerUnreachable, WorkerDisconnected, WorkerClientClosed)):
+        return _NotDispatched(worker, e)
+    return None
 
 
 async def merge_prefill_decode(
@@ -398,7 +453,7 @@ async def merge_prefill_decode(
             yield d, "decode"
             if d.finish_reason is not None:
                 return
-            d = await _next(d_gen)
+            d = await anext(d_gen)
     finally:
         for task in (p_task, d_task):
             if not task.done():

@@ -338,9 +338,23 @@ class WorkerClient:
                 self._declared = True
                 self._post(Heartbeat())
             self._post(msg)
+            timeout_s = self.timeout_s
             while True:
                 if not items:
-                    await self._wait(inbox, rid)
+                    # Until an item comes, or ``_expire`` fails the wait with
+                    # WorkerTimeout: no delta within timeout_s of the last one
+                    # or of the start of this wait. Inline (no coroutine of its
+                    # own): it runs once per token.
+                    inbox.wait_from = now = loop.time()
+                    if inbox.timer is None:
+                        inbox.timer = loop.call_at(
+                            max(inbox.last_at, now) + timeout_s, self._expire, inbox, rid
+                        )
+                    waiter = inbox.waiter = loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        inbox.waiter = None
                 item = items.popleft()
                 if isinstance(item, WorkerError):
                     if not isinstance(item, WorkerDisconnected):
@@ -378,21 +392,6 @@ class WorkerClient:
             connected.cancel()
             del self._unsent[rid]
         return aborted.done()
-
-    async def _wait(self, inbox: _Inbox, rid: str) -> None:
-        """Until ``inbox`` has an item; ``WorkerTimeout`` when none came within
-        ``timeout_s`` of the last delta or of the start of this wait."""
-        loop = asyncio.get_running_loop()
-        inbox.wait_from = loop.time()
-        if inbox.timer is None:
-            inbox.timer = loop.call_at(
-                max(inbox.last_at, inbox.wait_from) + self.timeout_s, self._expire, inbox, rid
-            )
-        waiter = inbox.waiter = loop.create_future()
-        try:
-            await waiter
-        finally:
-            inbox.waiter = None
 
     def _expire(self, inbox: _Inbox, rid: str) -> None:
         inbox.timer = None
@@ -474,7 +473,11 @@ class WorkerClient:
                 if inbox.stages is not None and delta.token_ids:
                     inbox.stages.mark(FIRST_TOKEN_RECEIVED, time.monotonic())
                     inbox.stages = None
-                inbox.put(delta)
+                # ``inbox.put``, inline (once per token).
+                inbox.items.append(delta)
+                waiter = inbox.waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
 
     async def _watch(self) -> None:
         assert self._monitor is not None

@@ -39,6 +39,22 @@ class ChoiceEvent(NamedTuple):
     ``gateway.openai.prompt_scoring``)."""
 
 
+_new_event = tuple.__new__
+"""``ChoiceEvent`` from a tuple of all its fields, in order (``_EVENT_FIELDS``)."""
+_EVENT_FIELDS = (
+    "text",
+    "token_ids",
+    "logprobs",
+    "finish_reason",
+    "cached_tokens",
+    "top_logprobs",
+    "tool_calls",
+    "prompt_logprobs",
+)
+if ChoiceEvent._fields != _EVENT_FIELDS:  # the tuples built with _new_event would be wrong
+    raise ImportError(f"ChoiceEvent's fields changed: {ChoiceEvent._fields}; update _new_event")
+
+
 async def choice_stream(
     dispatcher: Dispatcher,
     tokenizer: Tokenizer,
@@ -60,17 +76,17 @@ async def choice_stream(
     stream = dispatcher.stream(prompt, spec, request_id)
     try:
         async for delta in stream:
-            if delta.finish_reason == "error" and delta.error_param is not None:
-                param = (error_params or {}).get(delta.error_param, delta.error_param)
-                raise APIError(400, f"{param}: {delta.error}", param=param)
-            if delta.finish_reason in ("error", "abort"):
+            finish = delta.finish_reason
+            if finish is not None and finish in ("error", "abort"):
+                if finish == "error" and delta.error_param is not None:
+                    param = (error_params or {}).get(delta.error_param, delta.error_param)
+                    raise APIError(400, f"{param}: {delta.error}", param=param)
                 raise APIError(
                     502,
-                    delta.error or f"request {delta.finish_reason}ed by a worker",
+                    delta.error or f"request {finish}ed by a worker",
                     type_="server_error",
                     code="upstream_error",
                 )
-            finish = delta.finish_reason
             if matcher is None:
                 text = detok.push(delta.token_ids)
                 if finish is not None:
@@ -91,14 +107,20 @@ async def choice_stream(
                     return  # leaving the stream aborts the request on the workers
                 if finish is not None:
                     text += matcher.flush()
-            yield ChoiceEvent(
-                text,
-                delta.token_ids,
-                delta.logprobs,
-                finish,
-                delta.num_cached_tokens,
-                delta.top_logprobs,
-                prompt_logprobs=_prompt_logprobs(delta),
+            # The tuple built directly: this runs once per token, and the
+            # NamedTuple's own constructor is a Python function.
+            yield _new_event(
+                ChoiceEvent,
+                (
+                    text,
+                    delta.token_ids,
+                    delta.logprobs,
+                    finish,
+                    delta.num_cached_tokens,
+                    delta.top_logprobs,
+                    None,
+                    None if delta.prompt_logprobs is None else _prompt_logprobs(delta),
+                ),
             )
             if finish is not None:
                 return
@@ -223,66 +245,84 @@ async def collect_choices(
     return results
 
 
-class _Deadline:
-    """When the deadline passed, and whether the task is waiting for an event."""
-
-    __slots__ = ("expired", "waiting")
-
-    def __init__(self) -> None:
-        self.expired = False
-        self.waiting = False
-
-
-async def until(
-    events: AsyncIterator[tuple[int, ChoiceEvent]], deadline: float
-) -> AsyncIterator[tuple[int, ChoiceEvent]]:
-    """``events`` until the monotonic ``deadline``, then ``TimeoutError``.
+class StreamDeadline:
+    """The deadline of a stream whose events the current task reads.
 
     Invariant: the deadline only ever interrupts the wait for the next event.
     A timeout around a loop that yields would also fire while the consumer
     (the response writer) holds control, cancelling it instead of us: the
     stream would then end without its error event and ``[DONE]``. One timer
-    serves the whole stream: when it fires during a wait it cancels the task
-    (as ``asyncio.timeout`` does), otherwise the next wait does not begin.
+    serves the whole stream: when it fires during a wait (``waiting``) it
+    cancels the task (as ``asyncio.timeout`` does), otherwise the next wait
+    does not begin (``expired``).
 
     Invariant: a cancelled task stops reading at the next event even when a
     source below lost the cancellation (a stream that catches it and yields
-    on): the events are read in the caller's task, and a client that left
-    must still close its requests at once."""
-    task = asyncio.current_task()
-    assert task is not None
-    state = _Deadline()
+    on): the events are read in the task itself, and a client that left must
+    still close its requests at once.
 
-    def fire() -> None:
-        state.expired = True
-        if state.waiting:
-            task.cancel()
+    A reader (``until``; the response writer, inline) checks ``expired``
+    before each wait, sets ``waiting`` around it, asks ``timed_out`` when the
+    wait was cancelled or a cancel was lost below (``task.cancelling()``
+    above ``cancelling``), and ``close``s the deadline when it stops."""
 
-    cancelling = task.cancelling()
-    timer = asyncio.get_running_loop().call_at(_loop_time(deadline), fire)
+    __slots__ = ("task", "cancelling", "expired", "waiting", "_timer")
+
+    def __init__(self, deadline: float) -> None:
+        """``deadline``: on the ``time.monotonic`` clock."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.cancelling = task.cancelling()
+        """The task's cancel requests from before: not the stream's to handle."""
+        self.expired = False
+        self.waiting = False
+        self._timer = asyncio.get_running_loop().call_at(_loop_time(deadline), self._fire)
+
+    def _fire(self) -> None:
+        self.expired = True
+        if self.waiting:
+            self.task.cancel()
+
+    def timed_out(self) -> bool:
+        """A cancel reached the reader: whether it was the deadline's (its
+        request is then withdrawn: the caller raises ``TimeoutError``)."""
+        return self.expired and self.task.uncancel() <= self.cancelling
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
+async def until(
+    events: AsyncIterator[tuple[int, ChoiceEvent]], deadline: float
+) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    """``events`` until the monotonic ``deadline``, then ``TimeoutError``
+    (see ``StreamDeadline`` for when it interrupts)."""
+    limit = StreamDeadline(deadline)
+    task, cancelling = limit.task, limit.cancelling
     it = aiter(events)
     try:
         while True:
-            if state.expired:
+            if limit.expired:
                 raise TimeoutError
-            state.waiting = True
+            limit.waiting = True
             try:
                 item = await anext(it)
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if state.expired and task.uncancel() <= cancelling:
+                if limit.timed_out():
                     raise TimeoutError from None
                 raise
             finally:
-                state.waiting = False
+                limit.waiting = False
             if task.cancelling() > cancelling:  # a cancel was lost below us
-                if state.expired and task.uncancel() <= cancelling:
+                if limit.timed_out():
                     raise TimeoutError
                 raise asyncio.CancelledError
             yield item
     finally:
-        timer.cancel()
+        limit.close()
 
 
 def _loop_time(monotonic_deadline: float) -> float:

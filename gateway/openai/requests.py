@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SkipValidation
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 """A completions prompt: text, texts, token ids, or lists of token ids."""
@@ -81,7 +81,10 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: Prompt
+    prompt: SkipValidation[Prompt]
+    """Checked by ``validation.completion_prompts`` (a 400 naming ``prompt``):
+    validating a union of lists here costs ~0.2 µs per token id, a
+    millisecond of TTFT for a 4k-token prompt sent as ids."""
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

@@ -3,19 +3,19 @@ of their endpoint, ending in ``data: [DONE]``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from gateway.metrics import GatewayMetrics, RequestTiming
-from gateway.openai.choices import ChoiceEvent, choice_events, join_events, until
+from gateway.openai.choices import ChoiceEvent, StreamDeadline, join_events, merge_choices
 from gateway.openai.errors import APIError, internal_error, request_timeout
 from gateway.openai.prompt_scoring import wants_prompt_logprobs, with_prompt_logprobs
 from gateway.openai.responses import ResponseContext, now, usage
@@ -51,15 +51,21 @@ def error_event(error: APIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
 
 
-@dataclass
 class _ChoiceProgress:
-    tokens: int = 0
-    cached: int = 0
-    text_offset: int = 0
-    """Where the choice's next token starts in its text (echo included)."""
-    held: list[ChoiceEvent] = field(default_factory=list)
-    """Events whose text is still held back (see ``StreamWriter.event``)."""
-    prompt_sent: bool = False
+    __slots__ = ("tokens", "cached", "reports_cache", "text_offset", "held", "prompt_sent", "tpl")
+
+    def __init__(self, reports_cache: bool) -> None:
+        self.tokens = 0
+        self.cached = 0
+        self.reports_cache = reports_cache
+        """Whether the choice counts its prompt's cached tokens in the usage."""
+        self.text_offset = 0
+        """Where the choice's next token starts in its text (echo included)."""
+        self.held: list[ChoiceEvent] = []
+        """Events whose text is still held back (see ``StreamWriter.event``)."""
+        self.prompt_sent = False
+        self.tpl: tuple[str, str] | None = None
+        """(before, after) the JSON string of the text in the choice's text-only chunks."""
 
 
 _TEXT_SLOT = "\x00text\x00"
@@ -80,21 +86,23 @@ class StreamWriter:
         self.ctx = ctx
         self.include_usage = include_usage
         self.created = now()
-        self.choices = [_ChoiceProgress() for _ in ctx.choice_prompts]
+        self.choices = [
+            _ChoiceProgress(ctx.reports_cache(i)) for i in range(len(ctx.choice_prompts))
+        ]
         self._plain = ctx.shape.top_k is None and not ctx.return_token_ids
-        self._prompt_logprobs = wants_prompt_logprobs(ctx.shape)
+        """Whether a chunk can be text alone (else every chunk has more)."""
+        self.prompt_logprobs = wants_prompt_logprobs(ctx.shape)
         """The echoed prompt waits for its logprobs (``prompt_chunk``)."""
         self._prompt_written: set[int] = set()
-        """Whether a chunk can be text alone (else every chunk has more)."""
-        self._templates: dict[int, tuple[str, str]] = {}
 
     def _template(self, i: int) -> tuple[str, str]:
         """(before, after) the JSON string of the text in choice ``i``'s chunks."""
-        tpl = self._templates.get(i)
+        progress = self.choices[i]
+        tpl = progress.tpl
         if tpl is None:
             whole = self.chunk([self.ctx.shape.chunk_choice(i, _TEXT_SLOT, None, None)])
             before, _, after = whole.partition(json.dumps(_TEXT_SLOT, ensure_ascii=False))
-            tpl = self._templates[i] = (before, after)
+            tpl = progress.tpl = (before, after)
         return tpl
 
     def chunk(
@@ -118,13 +126,13 @@ class StreamWriter:
             text = self.ctx.shape.prompt_text(ids)
             self.choices[i].text_offset = len(text)
             choice = self.ctx.shape.opening_choice(i, text)
-            if choice is not None and not self._prompt_logprobs:
+            if choice is not None and not self.prompt_logprobs:
                 yield self.chunk([choice])
 
     def prompt_chunk(self, i: int, ev: ChoiceEvent) -> str | None:
         """The echoed prompt of choice ``i`` with its logprobs, which come with
         the choice's first event (None: not due, or already written)."""
-        if not self._prompt_logprobs or i in self._prompt_written:
+        if not self.prompt_logprobs or i in self._prompt_written:
             return None
         self._prompt_written.add(i)
         ids = self.ctx.choice_prompts[i]
@@ -135,14 +143,15 @@ class StreamWriter:
 
     def event(self, i: int, ev: ChoiceEvent) -> str | None:
         """The chunk of choice ``i``'s event ``ev`` (None: held back)."""
-        ctx, progress = self.ctx, self.choices[i]
+        progress = self.choices[i]
         progress.tokens += len(ev.token_ids)
-        if ctx.reports_cache(i):
+        if ev.cached_tokens and progress.reports_cache:
             progress.cached = max(progress.cached, ev.cached_tokens)
         plain_event = ev.finish_reason is None and ev.tool_calls is None
-        if self._plain and ev.text and plain_event and not progress.held:
-            before, after = self._template(i)
+        if plain_event and ev.text and self._plain and not progress.held:
+            before, after = progress.tpl or self._template(i)
             return before + encode_basestring(ev.text) + after
+        ctx = self.ctx
         # Invariant: a choice's streamed token_ids (and logprobs) add up to all
         # of its tokens. A token whose text is still held back (half a UTF-8
         # character, a possible stop-string prefix) sends no chunk of its own,
@@ -186,26 +195,60 @@ async def sse_stream(
     when the stream ends."""
     writer = StreamWriter(ctx, include_usage)
     timing = RequestTiming(metrics, len(gens), started)
+    observe, event = timing.observe, writer.event
     unwritten = set(range(len(gens))) if traces else set()
     """Choices whose first chunk with text is not written yet."""
     ok = False
     for chunk in writer.opening():
         yield chunk
+    # One choice is read as it is (its events are choice 0's); several are
+    # merged (a task and a queue each). Either way the events are read in
+    # this task, under the stream's deadline, written out inline rather than
+    # through ``until``: this loop runs once per token.
+    single = len(gens) == 1
+    source = gens[0] if single else merge_choices(gens)
     try:
         # aclosing: leaving this generator (the client went away) must close the
-        # merge at once, which cancels the choices and aborts their requests.
-        async with contextlib.aclosing(choice_events(gens)) as merged:
-            async for i, ev in until(merged, started + timeout_s):
-                timing.observe(i, len(ev.token_ids))
-                prompt = writer.prompt_chunk(i, ev)
-                if prompt is not None:
-                    yield prompt
-                chunk = writer.event(i, ev)
-                if chunk is not None:
-                    yield chunk
-                    if unwritten and i in unwritten and ev.text:
-                        unwritten.discard(i)
-                        traces[i].mark(FIRST_BYTE_WRITTEN)  # type: ignore[index]
+        # source at once, which cancels the choices and aborts their requests.
+        async with contextlib.aclosing(source):  # type: ignore[type-var]
+            deadline = StreamDeadline(started + timeout_s)
+            task, cancelling = deadline.task, deadline.cancelling
+            try:
+                while True:
+                    if deadline.expired:
+                        raise TimeoutError
+                    deadline.waiting = True
+                    try:
+                        item = await anext(source)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.CancelledError:
+                        if deadline.timed_out():
+                            raise TimeoutError from None
+                        raise
+                    finally:
+                        deadline.waiting = False
+                    if task.cancelling() > cancelling:  # a cancel was lost below us
+                        if deadline.timed_out():
+                            raise TimeoutError
+                        raise asyncio.CancelledError
+                    if single:
+                        i, ev = 0, item
+                    else:
+                        i, ev = item
+                    observe(i, len(ev.token_ids))
+                    if writer.prompt_logprobs:
+                        prompt = writer.prompt_chunk(i, ev)
+                        if prompt is not None:
+                            yield prompt
+                    chunk = event(i, ev)
+                    if chunk is not None:
+                        yield chunk
+                        if unwritten and i in unwritten and ev.text:
+                            unwritten.discard(i)
+                            traces[i].mark(FIRST_BYTE_WRITTEN)  # type: ignore[index]
+            finally:
+                deadline.close()
     except Exception as e:
         # The response is already out (200): a failure ends it with an error
         # event and [DONE], so the client reads a clean end and the connection

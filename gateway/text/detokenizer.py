@@ -108,8 +108,11 @@ class IncrementalDetokenizer:
         """Add generated ids; returns the text that became final."""
         if self._done:
             raise RuntimeError("IncrementalDetokenizer.push after flush")
-        pieces = [self._step(int(i)) for i in ids]
-        return self._post("".join(pieces))
+        if type(ids) is list and len(ids) == 1:
+            text = self._step(int(ids[0]))  # the common delta: one token
+        else:
+            text = "".join([self._step(int(i)) for i in ids])
+        return text if self._cleanup is None else self._cleanup.push(text)
 
     def flush(self) -> str:
         """End of the stream: the text still held back (may end in U+FFFD if the ids do)."""
