@@ -4,6 +4,15 @@
     python benchmarks/bench_ttft_stages.py --base-url http://127.0.0.1:8000 \
         --lengths 16 1024 4096 --cached-prefix 4096 --cached-new 128 --requests 8
 
+or, starting the deployments itself (one after the other, each stopped before
+the next starts; here a colocated ``--role both`` worker, then a prefill and a
+decode worker sharing one GPU over NIXL, each behind its own gateway)::
+
+    python benchmarks/bench_ttft_stages.py --deploy colocated disagg \
+        --dummy-preset llama-3.1-8b --device cuda:0 --transfer-backend nixl \
+        --kv-cache-memory-gb 16 --lengths 16 1024 4096 --cached-prefix 4096 \
+        --cached-new 128 --requests 8
+
 For each case (a prompt of N random token ids; a cached prefix of P tokens
 followed by M new ones) the script sends ``--requests`` streamed completions
 one after another and reports the client's TTFT (request written to the first
@@ -12,20 +21,25 @@ next to the mean of every stage the gateway measured for those requests
 (``gateway_stage_seconds``) and of every stage the workers reported
 (``gateway_worker_stage_seconds``), read as differences of the gateway's
 ``/metrics`` before and after the case. Cases longer than the model's context
-are skipped. Writes a JSON record to ``--output-file``.
+are skipped. Writes one JSON record (every deployment's rows) to
+``--output-file``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -99,9 +113,9 @@ async def timed_request(client: StreamClient, body: dict[str, Any]) -> float:
 
 
 async def run_case(
-    args: argparse.Namespace, model: str, case: Case, rng: random.Random
+    args: argparse.Namespace, base_url: str, model: str, case: Case, rng: random.Random
 ) -> dict[str, Any]:
-    client = StreamClient(args.base_url, timeout_s=args.timeout_s)
+    client = StreamClient(base_url, timeout_s=args.timeout_s)
     prefix = random_ids(case.prefix_len, rng, args.min_token_id, args.max_token_id)
 
     def body(ids: list[int]) -> dict[str, Any]:
@@ -118,13 +132,13 @@ async def run_case(
     fresh = random_ids(case.new_len, rng, args.min_token_id, args.max_token_id)
     await timed_request(client, body(prefix + fresh))
     async with httpx.AsyncClient(timeout=30) as http:
-        before = stage_totals((await http.get(f"{args.base_url}/metrics")).text)
+        before = stage_totals((await http.get(f"{base_url}/metrics")).text)
         ttfts = []
         for _ in range(args.requests):
             fresh = random_ids(case.new_len, rng, args.min_token_id, args.max_token_id)
             ttfts.append(await timed_request(client, body(prefix + fresh)) * 1e3)
             await asyncio.sleep(args.gap_s)
-        after = stage_totals((await http.get(f"{args.base_url}/metrics")).text)
+        after = stage_totals((await http.get(f"{base_url}/metrics")).text)
     await client.aclose()
     return {
         "case": case.name,
@@ -242,23 +256,152 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="JSON record (default: benchmarks/results/ttft-stages-<date>.json)",
     )
+    d = ap.add_argument_group(
+        "deployments started by the script (with --deploy; --base-url is then ignored)"
+    )
+    d.add_argument(
+        "--deploy",
+        nargs="+",
+        choices=DEPLOYMENTS,
+        default=[],
+        help="start these deployments one after the other and measure each: colocated (one "
+        "--role both worker) and/or disagg (a prefill and a decode worker, both on --device) "
+        "(default: none, measure the gateway at --base-url)",
+    )
+    d.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory of the workers (default: the built-in tiny model)",
+    )
+    d.add_argument(
+        "--dummy-preset",
+        default=None,
+        metavar="NAME",
+        help="serve a preset (e.g. llama-3.1-8b) or a config.json path in real shapes with "
+        "random weights: a config + synthetic tokenizer directory (benchmarks/dummy_model.py) "
+        "in a temp folder, --load-format dummy",
+    )
+    d.add_argument(
+        "--device",
+        default="auto",
+        help="device of every worker, e.g. cuda:0 or cpu (default: %(default)s)",
+    )
+    d.add_argument(
+        "--transfer-backend",
+        default="tcp",
+        help="KV transfer of the disagg deployment: nixl or tcp (default: %(default)s)",
+    )
+    d.add_argument(
+        "--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)"
+    )
+    d.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV pool of each worker (default: the workers' default)",
+    )
+    d.add_argument(
+        "--worker-args",
+        default="",
+        help='extra flags for every worker, one string, e.g. "--cuda-graph-max-bs 64"',
+    )
+    d.add_argument("--gateway-args", default="", help="extra flags for each gateway, one string")
+    d.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long each process may take to answer /health (default: %(default)s)",
+    )
+    d.add_argument(
+        "--log-dir",
+        default=None,
+        help="keep the processes' logs here (default: a temp folder, removed at the end)",
+    )
     return ap
 
 
-async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
-    model, max_len = fetch_model(args.base_url, None)
+async def amain(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
+    model, max_len = fetch_model(base_url, None)
     rng = random.Random(args.seed)
     rows = []
     for case in cases(args, max_len):
-        rows.append(await run_case(args, model, case, rng))
+        rows.append(await run_case(args, base_url, model, case, rng))
     return rows
+
+
+DEPLOYMENTS = ("colocated", "disagg")
+_COMPARE_LABELS = {"colocated": "colocated", "disagg": "pd"}
+"""Our deployment names -> benchmarks.compare_pd's labels."""
+
+
+@contextlib.contextmanager
+def started(args: argparse.Namespace) -> Iterator[tuple[str | None, Path]]:
+    """The model directory the workers serve (a dummy one with --dummy-preset) and
+    the log folder; temporary ones are removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="ttft_stages-") as tmp:
+        log_dir = Path(args.log_dir or tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        model = args.model
+        if args.dummy_preset:
+            from benchmarks.dummy_model import write_dummy_model
+
+            name = Path(args.dummy_preset).stem
+            model = str(write_dummy_model(args.dummy_preset, Path(tmp) / name))
+        yield model, log_dir
+
+
+@contextlib.contextmanager
+def deployment(
+    name: str, args: argparse.Namespace, model: str | None, log_dir: Path
+) -> Iterator[str]:
+    """Start deployment ``name`` (compare_pd's processes: workers, then their gateway),
+    yield the gateway URL, always stop them."""
+    from benchmarks import compare_pd  # loads engine config: only when deploying
+
+    spec = argparse.Namespace(
+        prefill_device=args.device,
+        decode_device=args.device,
+        colocated_device=[args.device],
+        load_format="dummy" if args.dummy_preset else "auto",
+        page_size=args.page_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb or compare_pd.ENGINE_DEFAULTS.kv_cache_memory_gb,
+        transfer_backend=args.transfer_backend,
+        worker_args=args.worker_args,
+        gateway_args=args.gateway_args,
+        start_timeout_s=args.start_timeout_s,
+    )
+    with compare_pd.deployment(_COMPARE_LABELS[name], spec, model, log_dir) as url:
+        yield url
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every row of every deployment (``row["deployment"]``: its name, or "external")."""
+    if not args.deploy:
+        rows = asyncio.run(amain(args, args.base_url))
+        print_table(rows)
+        return [{"deployment": "external", **r} for r in rows]
+    from benchmarks.compare_pd import _interrupt
+
+    old_handler = signal.signal(signal.SIGTERM, _interrupt)
+    out: list[dict[str, Any]] = []
+    try:
+        with started(args) as (model, log_dir):
+            for name in args.deploy:
+                print(f"== {name} ==", file=sys.stderr)
+                with deployment(name, args, model, log_dir) as url:
+                    rows = asyncio.run(amain(args, url))
+                print(f"\n{name}:")
+                print_table(rows)
+                out += [{"deployment": name, **r} for r in rows]
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     args.base_url = args.base_url.rstrip("/")
-    rows = asyncio.run(amain(args))
-    print_table(rows)
+    rows = measure(args)
     now = datetime.now(UTC)
     record = {
         "benchmark": "ttft_stages",
@@ -282,4 +425,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted; every started process was stopped")
