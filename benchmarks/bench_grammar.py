@@ -17,11 +17,20 @@ mask work scales with the vocabulary like a real one's, but a real tokenizer
 is the faithful measurement). The schema is an array of at least
 ``--min-items`` small objects, so no row can complete it (and leave the batch)
 within the timed steps. Writes a JSON record to ``--output-file``.
+
+Each run also reports where the host's time per step goes: ``launch``
+(schedule step N+1, queue its forward and sampling, the grammar mask
+included), ``finish`` (process step N's tokens), ``device_wait`` (the part of
+both spent waiting for sampled tokens to reach the host: near 0 means the
+loop is host-bound), and the grammar's own parts inside ``launch``: ``wait``
+for step N's tokens, ``fill`` (accept tokens, fill the bitmask), ``copy`` (the
+bitmask to the device) and ``apply`` (queue the mask on the logits).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -39,6 +48,7 @@ from benchmarks.common import git_commit, host_info  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.grammar import GrammarBackend  # noqa: E402
+from engine.runner import ForwardOutput  # noqa: E402
 from protocol.sampling import GrammarSpec, SamplingParams  # noqa: E402
 
 
@@ -106,7 +116,58 @@ def grammar_backend(engine: Engine, tokenizer: str | None) -> tuple[GrammarBacke
     return GrammarBackend(info, stops), "synthetic"
 
 
-def run(engine: Engine, args: argparse.Namespace, n_grammar: int, spec: GrammarSpec) -> dict:
+class HostClock:
+    """Host seconds spent in the engine's launch, finish and device waits,
+    summed since the clock was made (wrapping the engine's own methods)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.totals = {"launch": 0.0, "finish": 0.0, "device_wait": 0.0}
+        engine.launch = self._timed(engine.launch, "launch")  # type: ignore[method-assign]
+        engine.finish = self._timed(engine.finish, "finish")  # type: ignore[method-assign]
+        clock = self
+        to_host = ForwardOutput.to_host
+
+        def timed_to_host(out: ForwardOutput) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return to_host(out)
+            finally:
+                clock.totals["device_wait"] += time.perf_counter() - t0
+
+        ForwardOutput.to_host = timed_to_host  # type: ignore[method-assign]
+
+    def _timed(self, fn: Any, key: str) -> Any:
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.totals[key] += time.perf_counter() - t0
+
+        return timed
+
+    def snapshot(self, backend: GrammarBackend) -> dict[str, float]:
+        grammar = backend.times.snapshot()
+        return {**self.totals, **{f"grammar_{k}": v for k, v in grammar.items()}}
+
+
+def host_breakdown(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Mean host ms per timed step of each part (``parts``: per-step deltas)."""
+    keys = [k for k in parts[0] if k != "grammar_steps"]
+    out = {k: 1e3 * statistics.mean(p[k] for p in parts) for k in keys}
+    out["grammar_steps_per_step"] = statistics.mean(p["grammar_steps"] for p in parts)
+    return out
+
+
+def run(
+    engine: Engine,
+    args: argparse.Namespace,
+    n_grammar: int,
+    spec: GrammarSpec,
+    clock: HostClock,
+    backend: GrammarBackend,
+) -> dict:
     """Time the decode steps of one batch, ``n_grammar`` of its rows under ``spec``."""
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -129,16 +190,20 @@ def run(engine: Engine, args: argparse.Namespace, n_grammar: int, spec: GrammarS
     while engine.scheduler.waiting or any(r.remaining > 1 for r in engine.scheduler.running):
         inflight, _ = engine.overlap_step(inflight)
     times: list[float] = []
+    parts: list[dict[str, float]] = []
     steps = 0
     finished = 0
     while engine.has_unfinished() or inflight is not None:
+        before = clock.snapshot(backend)
         t0 = time.perf_counter()
         inflight, results = engine.overlap_step(inflight)
         dt = time.perf_counter() - t0
+        after = clock.snapshot(backend)
         finished += sum(r.finish_reason is not None for r in results)
         steps += 1
         if args.warmup_steps < steps <= args.warmup_steps + args.decode_steps and not finished:
             times.append(dt)
+            parts.append({k: after[k] - before[k] for k in after})
         if steps >= args.warmup_steps + args.decode_steps:
             for r in list(engine.scheduler.running):
                 engine.abort(r.rid)
@@ -153,26 +218,49 @@ def run(engine: Engine, args: argparse.Namespace, n_grammar: int, spec: GrammarS
         "timed_steps": len(times),
         "step_ms_mean": 1e3 * statistics.mean(times),
         "step_ms_median": 1e3 * statistics.median(times),
+        "host_ms": host_breakdown(parts),
     }
+
+
+def describe(name: str, result: dict) -> str:
+    h = result["host_ms"]
+    line = (
+        f"  {name}: {result['step_ms_mean']:.2f} ms/step; host ms/step: launch {h['launch']:.3f}, "
+        f"finish {h['finish']:.3f}, device wait {h['device_wait']:.3f}"
+    )
+    if h["grammar_steps_per_step"]:
+        line += (
+            f"; grammar (in launch): wait {h['grammar_wait']:.3f}, fill {h['grammar_fill']:.3f}, "
+            f"copy {h['grammar_copy']:.3f}, apply {h['grammar_apply']:.3f}"
+        )
+    return line
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir or preset (default: tiny)")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir for the grammar")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--json-schema-fraction", type=float, default=0.5)
-    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
+    ap.add_argument("--page-size", type=int, default=16, help="KV page size in tokens")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size")
+    ap.add_argument(
+        "--cuda-graph-max-bs", type=int, default=None, help="largest decode batch with a CUDA graph"
+    )
+    ap.add_argument("--batch-size", type=int, default=64, help="requests decoding together")
+    ap.add_argument(
+        "--json-schema-fraction", type=float, default=0.5, help="share of the rows with a schema"
+    )
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps")
-    ap.add_argument("--warmup-steps", type=int, default=8)
-    ap.add_argument("--min-items", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--output-file", default=None)
+    ap.add_argument("--warmup-steps", type=int, default=8, help="decode steps before timing")
+    ap.add_argument(
+        "--min-items", type=int, default=64, help="items the schema's array needs at least"
+    )
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ap.add_argument(
+        "--output-file", default=None, help="record path (default: results/grammar-MODEL-DATE.json)"
+    )
     return ap
 
 
@@ -201,10 +289,11 @@ def main(argv: list[str] | None = None) -> None:
     backend.compile(spec)
     compile_s = time.perf_counter() - t0
     n_grammar = round(args.batch_size * args.json_schema_fraction)
+    clock = HostClock(engine)
     # The free run twice: the first one warms the graphs and caches up.
-    run(engine, args, 0, spec)
-    free = run(engine, args, 0, spec)
-    constrained = run(engine, args, n_grammar, spec)
+    run(engine, args, 0, spec, clock, backend)
+    free = run(engine, args, 0, spec, clock, backend)
+    constrained = run(engine, args, n_grammar, spec, clock, backend)
     ratio = constrained["step_ms_mean"] / free["step_ms_mean"]
     record = {
         "benchmark": "bench_grammar",
@@ -228,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{n_grammar} rows with a json_schema {constrained['step_ms_mean']:.2f} ms/step "
         f"(x{ratio:.3f}); schema compiled in {compile_s * 1e3:.1f} ms"
     )
+    print(describe("free", free))
+    print(describe("json_schema", constrained))
     out = args.output_file or str(
         Path(__file__).resolve().parent
         / "results"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,22 @@ _JSON_CHAR = r"[^\0-\x1f\"\\\r\n]"
 """xgrammar 0.2.8 lets length- and pattern-limited JSON strings contain raw
 control characters, which JSON forbids (``json.loads`` refuses them); its
 plain string rule excludes them, and so do the compiled schemas here."""
+
+
+class GrammarTimes:
+    """Host seconds the grammar steps spent, summed (the benchmarks read them):
+    waiting for the in-flight tokens, accepting tokens and filling the
+    bitmask, queueing its copy to the device, and queueing the mask on the
+    logits."""
+
+    __slots__ = ("steps", "wait", "fill", "copy", "apply")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.wait = self.fill = self.copy = self.apply = 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 class GrammarError(EngineRequestError):
@@ -83,6 +100,7 @@ class GrammarBackend:
         )
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._cache_size = cache_size
+        self.times = GrammarTimes()
 
     @classmethod
     def for_model(
@@ -259,10 +277,13 @@ class GrammarStep:
         return cls(backend, requests, rows, in_flight, in_flight_out)
 
     def __call__(self, logits: torch.Tensor) -> None:
+        times = self.backend.times
+        t0 = time.perf_counter()
         tokens: list[int] = []
         if any(i is not None for i in self.in_flight):
             assert self.in_flight_out is not None
             tokens = self.in_flight_out.to_host().token_ids
+        t1 = time.perf_counter()
         bitmask = self.backend.allocate_bitmask(len(self.rows))
         for k, (req, src) in enumerate(zip(self.requests, self.in_flight)):
             grammar = req.grammar
@@ -272,9 +293,18 @@ class GrammarStep:
             upto = req.num_output + req.pending - 1
             grammar.catch_up(req.output_ids, upto, tokens[src] if src is not None else None)
             grammar.fill(bitmask, k)
+        t2 = time.perf_counter()
         device = logits.device
         rows = to_device(torch.tensor(self.rows, dtype=torch.int64), device)
-        apply_token_bitmask(logits, to_device(bitmask, device), rows)
+        mask = to_device(bitmask, device)
+        t3 = time.perf_counter()
+        apply_token_bitmask(logits, mask, rows)
+        t4 = time.perf_counter()
+        times.steps += 1
+        times.wait += t1 - t0
+        times.fill += t2 - t1
+        times.copy += t3 - t2
+        times.apply += t4 - t3
 
 
 def apply_token_bitmask(
