@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -47,6 +48,7 @@ from gateway.openai import (
     sse_stream,
     stop_strings,
 )
+from gateway.openai.choices import EagerStream
 from gateway.openai.prompt_scoring import prompt_only
 from gateway.openai.structured import (
     Constraint,
@@ -511,16 +513,22 @@ async def _generate(
         shape, rid, state.model_name, prompts, choice_prompts, req.n, req.return_token_ids
     )
     if req.stream:
+        # The requests go out now; the response starts while the workers compute.
+        # Two turns of the loop: one for each choice's task to route and send
+        # (colocated), one for the prefill and decode sends of a disaggregated one.
+        eager = [EagerStream(g) for g in gens]
+        for _ in range(2):
+            await asyncio.sleep(0)
         events = sse_stream(
             ctx,
-            gens,
+            eager,  # type: ignore[arg-type]
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             metrics=state.metrics,
             timeout_s=cfg.request_timeout_s,
             started=started,
             traces=traces,
         )
-        return ClosingStreamingResponse(events, media_type="text/event-stream")
+        return ClosingStreamingResponse(events, media_type="text/event-stream", closing=eager)
     timing = RequestTiming(state.metrics, len(gens), started)
     ok = False
     try:

@@ -200,6 +200,9 @@ class WorkerClient:
         self._unsent: dict[str, asyncio.Future[None]] = {}
         """Requests waiting for the connection; set by ``abort``."""
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queued = 0
+        """Frames not yet handed to ZMQ (in the outbox, or a direct send that
+        waits for the socket): a new one goes behind them, never before."""
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
@@ -425,17 +428,36 @@ class WorkerClient:
 
     def _post(self, msg: Any) -> None:
         # Synchronous so it works from a generator's finally during cancellation.
-        self._outbox.put_nowait(to_worker.encoder.encode(msg))
+        frame = to_worker.encoder.encode(msg)
+        if self._queued == 0 and self._sock is not None:
+            # Nothing ahead of it: written now (pyzmq sends at once when it can,
+            # else keeps its sends in order), not a task switch later, when the
+            # loop gets to the send task (a request's TTFT waits for it).
+            sent = self._sock.send(frame)
+            if not sent.done():
+                self._queued += 1
+                sent.add_done_callback(self._sent)
+            elif sent.exception() is not None:
+                log.warning("send to %s failed: %s", self.endpoint, sent.exception())
+            return
+        self._queued += 1
+        self._outbox.put_nowait(frame)
+
+    def _sent(self, sent: asyncio.Future[Any]) -> None:
+        self._queued -= 1
+        if not sent.cancelled() and sent.exception() is not None:
+            log.warning("send to %s failed: %s", self.endpoint, sent.exception())
 
     async def _flush(self) -> None:
         await self._outbox.join()
+        while self._queued:  # a direct send still waiting for the socket
+            await asyncio.sleep(0.01)
 
     async def _heartbeat(self) -> None:
-        frame = to_worker.encoder.encode(Heartbeat())
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             if self._connected.is_set():
-                self._outbox.put_nowait(frame)
+                self._post(Heartbeat())
 
     async def _send_loop(self) -> None:
         assert self._sock is not None
@@ -446,6 +468,7 @@ class WorkerClient:
             except zmq.ZMQError as e:
                 log.warning("send to %s failed: %s", self.endpoint, e)
             finally:
+                self._queued -= 1
                 self._outbox.task_done()
 
     async def _receive(self) -> None:

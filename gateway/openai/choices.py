@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple
 
 from gateway.dispatch import Dispatcher, NoWorkerAvailable
@@ -132,6 +132,46 @@ async def choice_stream(
         ) from None
     finally:
         await stream.aclose()
+
+
+class EagerStream:
+    """``events`` whose first item is being fetched from construction on, in a
+    task of its own: a streamed response hands its request to the workers
+    right after tokenizing, and starts its HTTP response while they compute,
+    rather than before it sends anything (0.5 ms of TTFT on the CPU).
+
+    Invariant: only the first item goes through the task; every later
+    ``__anext__`` is the stream's own (no extra frame per token). Cancelling
+    the reader while it waits for the first item cancels the task, and so the
+    request; ``aclose`` ends both, also when nobody ever read."""
+
+    __slots__ = ("_events", "_first")
+
+    def __init__(self, events: AsyncIterator[ChoiceEvent]) -> None:
+        self._events = events
+        self._first: asyncio.Task[ChoiceEvent] | None = asyncio.ensure_future(_first(events))
+
+    def __aiter__(self) -> EagerStream:
+        return self
+
+    def __anext__(self) -> Awaitable[ChoiceEvent]:
+        first = self._first
+        if first is None:
+            return self._events.__anext__()
+        self._first = None
+        return first
+
+    async def aclose(self) -> None:
+        first, self._first = self._first, None
+        if first is not None:
+            first.cancel()
+            with contextlib.suppress(BaseException):
+                await first
+        await self._events.aclose()  # type: ignore[attr-defined]
+
+
+async def _first(events: AsyncIterator[ChoiceEvent]) -> ChoiceEvent:
+    return await anext(events)
 
 
 def _prompt_logprobs(delta: TokenDelta) -> PromptLogprobs | None:

@@ -8,7 +8,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
@@ -38,6 +38,12 @@ class ClosingStreamingResponse(StreamingResponse):
     collection, while its requests run on to their end on the workers.
     """
 
+    def __init__(self, content: Any, *, closing: Sequence[Any] = (), **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.closing = closing
+        """Streams the body reads that run before it does (``EagerStream``):
+        closed with it, also when the body never started."""
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
@@ -45,6 +51,8 @@ class ClosingStreamingResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            for stream in self.closing:
+                await stream.aclose()
 
 
 def error_event(error: APIError) -> str:
