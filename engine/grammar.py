@@ -22,17 +22,18 @@ stop tokens), which the scheduler already ends a request on ("stop").
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.host_copy import to_device
 from engine.request import EngineRequestError
 from protocol.sampling import GrammarSpec
 
@@ -78,6 +79,12 @@ def _max_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def _fill_threads() -> int:
+    # Half the cores this process may run on: the mask is filled while the
+    # loop's other threads (and the other workers on the host) keep theirs.
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
 class GrammarBackend:
     """Compiles ``GrammarSpec``s for one tokenizer and makes request matchers.
 
@@ -100,6 +107,8 @@ class GrammarBackend:
         )
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._cache_size = cache_size
+        self._batch = xgr.BatchGrammarMatcher(_fill_threads())
+        self.mask_buffer = MaskBuffer(-(-self.vocab_size // 32))
         self.times = GrammarTimes()
 
     @classmethod
@@ -179,9 +188,32 @@ class GrammarBackend:
         )
         return RequestGrammar(matcher)
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """``[rows, ceil(vocab / 32)]`` int32 on the host, every token allowed."""
-        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+    def accept(self, grammars: list[RequestGrammar], owed: list[list[int]]) -> None:
+        """Give each grammar its owed tokens, in order: one call into xgrammar
+        per round of at most one token a matcher (one round in a decode step;
+        more where a token is replayed)."""
+        todo = [(g, toks) for g, toks in zip(grammars, owed) if toks]
+        for k in range(max((len(t) for _, t in todo), default=0)):
+            now = [(g, t[k]) for g, t in todo if k < len(t)]
+            fits = self._xgr.BatchGrammarMatcher.batch_accept_token(
+                [g.matcher for g, _ in now], [t for _, t in now]
+            )
+            for (g, tok), ok in zip(now, fits):
+                g.accepted(ok, tok)
+
+    def fill(self, grammars: list[RequestGrammar], bitmask: torch.Tensor) -> None:
+        """Row ``k`` of ``bitmask`` ([len(grammars), ceil(V / 32)] int32 on the
+        host): the tokens ``grammars[k]`` allows next, filled by xgrammar's
+        threads for all rows at once."""
+        live = [k for k, g in enumerate(grammars) if not g.matcher.is_terminated()]
+        if len(live) < len(grammars):
+            # Ended (its stop token is out): the request ends with this step,
+            # whose token is dropped.
+            bitmask.fill_(-1)
+        if live:
+            self._batch.batch_fill_next_token_bitmask(
+                [grammars[k].matcher for k in live], bitmask, live
+            )
 
 
 def _json(text: str, kind: str) -> Any:
@@ -211,33 +243,78 @@ class RequestGrammar:
         self.num_accepted = 0
         self.rejected = False
 
-    def catch_up(self, output_ids: Sequence[int], upto: int, in_flight: int | None) -> None:
-        """Accept output tokens up to index ``upto`` (excluded): from
-        ``output_ids``, and past its end the token still ``in_flight``."""
-        while self.num_accepted < upto:
-            i = self.num_accepted
-            tok = output_ids[i] if i < len(output_ids) else in_flight
+    def owed(
+        self, fill_ids: Sequence[int], start: int, upto: int, in_flight: int | None
+    ) -> list[int]:
+        """The output tokens it has yet to accept up to index ``upto``
+        (excluded): output token ``i`` is ``fill_ids[start + i]``, and past the
+        end of ``fill_ids`` the token still ``in_flight``."""
+        owed = []
+        for i in range(self.num_accepted, upto):
+            tok = fill_ids[start + i] if start + i < len(fill_ids) else in_flight
             assert tok is not None, "a token the mask depends on is unknown"
-            if not self.matcher.accept_token(tok) and not self.rejected:
-                # Only a token sampled without this mask can get here (a
-                # worker of another version, a bug): the matcher stays where
-                # it was, and later masks follow the grammar from there.
-                self.rejected = True
-                log.warning("token %d does not fit the request's grammar", tok)
-            self.num_accepted += 1
+            owed.append(tok)
+        return owed
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.matcher.is_terminated():
-            # Ended (its stop token is out): the request ends with this step,
-            # whose token is dropped.
-            bitmask[row].fill_(-1)
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
+    def accepted(self, ok: bool, tok: int) -> None:
+        """Count a token the matcher was given (``ok``: it fit)."""
+        if not ok and not self.rejected:
+            # Only a token sampled without this mask can get here (a worker of
+            # another version, a bug): the matcher stays where it was, and
+            # later masks follow the grammar from there.
+            self.rejected = True
+            log.warning("token %d does not fit the request's grammar", tok)
+        self.num_accepted += 1
+
+
+class MaskBuffer:
+    """Host memory for the mask of a step: int32, the grammar rows' indices in
+    the batch and then their bitmask (``[rows, ceil(V / 32)]``, xgrammar's
+    layout), copied to the device in one go. For a GPU it is pinned (the copy
+    is queued, not waited for) and there are two, used in turn: the host fills
+    one while the other's copy may still wait behind the forward in flight; an
+    event recorded after each copy guards the reuse."""
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self._host: list[torch.Tensor] = []
+        self._copied: list[torch.cuda.Event | None] = []
+        self._next = 0
+
+    def take(self, rows: int, pinned: bool) -> tuple[int, torch.Tensor]:
+        """A buffer (its slot and its tensor) for ``rows`` rows that no queued
+        copy still reads."""
+        need = rows * (1 + self.words)
+        slot = self._next
+        self._next ^= 1
+        while len(self._host) <= slot:
+            self._host.append(torch.empty(0, dtype=torch.int32))
+            self._copied.append(None)
+        event = self._copied[slot]
+        if event is not None:
+            event.synchronize()
+            self._copied[slot] = None
+        host = self._host[slot]
+        if host.numel() < need or host.is_pinned() != pinned:
+            host = torch.empty(max(need, 2 * host.numel()), dtype=torch.int32, pin_memory=pinned)
+            self._host[slot] = host
+        return slot, host[:need]
+
+    def to_device(self, slot: int, packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return packed.to(device)
+        out = packed.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[slot] = event
+        return out
 
 
 class GrammarStep:
     """The logits mask of one batch: rows ``rows`` of its sampled requests have
-    grammars. Called (by the sampler) with the logits of the batch."""
+    grammars. Called (by the sampler) with the logits of the batch, once their
+    forward is queued: the host accepts the tokens and fills the bitmask (both
+    in one call into xgrammar for all rows) while the device runs it."""
 
     def __init__(
         self,
@@ -277,34 +354,61 @@ class GrammarStep:
         return cls(backend, requests, rows, in_flight, in_flight_out)
 
     def __call__(self, logits: torch.Tensor) -> None:
-        times = self.backend.times
+        backend, times = self.backend, self.backend.times
         t0 = time.perf_counter()
         tokens: list[int] = []
         if any(i is not None for i in self.in_flight):
             assert self.in_flight_out is not None
             tokens = self.in_flight_out.to_host().token_ids
         t1 = time.perf_counter()
-        bitmask = self.backend.allocate_bitmask(len(self.rows))
-        for k, (req, src) in enumerate(zip(self.requests, self.in_flight)):
+        grammars: list[RequestGrammar] = []
+        owed: list[list[int]] = []
+        for req, src in zip(self.requests, self.in_flight):
             grammar = req.grammar
             assert grammar is not None
             # The token being sampled has index num_output + pending - 1 (the
             # scheduler counted it as pending when it built this batch).
             upto = req.num_output + req.pending - 1
-            grammar.catch_up(req.output_ids, upto, tokens[src] if src is not None else None)
-            grammar.fill(bitmask, k)
-        t2 = time.perf_counter()
+            flying = tokens[src] if src is not None else None
+            grammars.append(grammar)
+            owed.append(grammar.owed(req.fill_ids, len(req.prompt_ids), upto, flying))
+        backend.accept(grammars, owed)
         device = logits.device
-        rows = to_device(torch.tensor(self.rows, dtype=torch.int64), device)
-        mask = to_device(bitmask, device)
+        n = len(self.rows)
+        slot, packed = backend.mask_buffer.take(n, device.type == "cuda")
+        packed[:n] = torch.tensor(self.rows, dtype=torch.int32)
+        backend.fill(grammars, packed[n:].view(n, backend.mask_buffer.words))
+        t2 = time.perf_counter()
+        on_device = backend.mask_buffer.to_device(slot, packed, device)
         t3 = time.perf_counter()
-        apply_token_bitmask(logits, mask, rows)
+        apply_packed_bitmask(logits, on_device, n)
         t4 = time.perf_counter()
         times.steps += 1
         times.wait += t1 - t0
         times.fill += t2 - t1
         times.copy += t3 - t2
         times.apply += t4 - t3
+
+
+def apply_packed_bitmask(logits: torch.Tensor, packed: torch.Tensor, rows: int) -> None:
+    """``apply_token_bitmask`` of a ``MaskBuffer``'s layout (``rows`` indices,
+    then their bitmask) on the logits' device: one kernel on CUDA."""
+    if logits.is_cuda and _cuda_mask() is not None:
+        _cuda_mask()(logits, packed, rows)
+        return
+    words = -(-logits.shape[-1] // 32)
+    index = packed[:rows].long()
+    apply_token_bitmask(logits, packed[rows : rows * (1 + words)].view(rows, words), index)
+
+
+@functools.cache
+def _cuda_mask() -> Callable[[torch.Tensor, torch.Tensor, int], None] | None:
+    """The Triton mask kernel, where Triton imports."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from engine.grammar_triton import apply_packed_bitmask as cuda_mask
+
+    return cuda_mask
 
 
 def apply_token_bitmask(

@@ -1,18 +1,31 @@
 """Grammar-constrained decoding in the engine (xgrammar): the bitmask on the
 logits against xgrammar's own, outputs of the random-weight tiny model that
-follow their grammar, the same tokens with and without the overlap loop, and
-requests without grammars untouched."""
+follow their grammar, the same tokens with and without the overlap loop,
+requests without grammars untouched, and the batched mask (one xgrammar call
+for the batch's tokens, one for its bitmask, one kernel on the logits) against
+one matcher call per row and token with the mask applied bit by bit."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
-from engine.grammar import GrammarError, GrammarStep, apply_token_bitmask
+from engine.grammar import (
+    GrammarError,
+    GrammarStep,
+    MaskBuffer,
+    apply_packed_bitmask,
+    apply_token_bitmask,
+)
 from engine.llm import LLM
 from protocol.sampling import GrammarSpec, InvalidSamplingParams, SamplingParams
 
@@ -219,3 +232,175 @@ def test_bitmask_on_cuda_matches_cpu() -> None:
         apply_token_bitmask(gpu, bitmask.cuda(), rows.cuda())
         masked = gpu.cpu() == torch.finfo(dtype).min
         assert torch.equal(masked, cpu == torch.finfo(torch.float32).min)
+
+
+def allowed_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[R, vocab]`` bool of the tokens a bitmask allows (bytes unpacked
+    little-end first: bit ``t % 32`` of word ``t // 32`` on a little-endian host)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab].astype(bool))
+
+
+def serial_mask(step: GrammarStep, logits: torch.Tensor) -> None:
+    """The mask of ``step`` with one matcher call per row and token, applied
+    row by row (the reference for the batched ``GrammarStep.__call__``)."""
+    tokens: list[int] = []
+    if any(i is not None for i in step.in_flight):
+        assert step.in_flight_out is not None
+        tokens = step.in_flight_out.to_host().token_ids
+    vocab = logits.shape[-1]
+    bitmask = torch.full((len(step.rows), -(-vocab // 32)), -1, dtype=torch.int32)
+    for k, (req, src) in enumerate(zip(step.requests, step.in_flight)):
+        grammar = req.grammar
+        assert grammar is not None
+        out = req.output_ids
+        while grammar.num_accepted < req.num_output + req.pending - 1:
+            i = grammar.num_accepted
+            grammar.matcher.accept_token(out[i] if i < len(out) else tokens[src])
+            grammar.num_accepted += 1
+        if not grammar.matcher.is_terminated():
+            grammar.matcher.fill_next_token_bitmask(bitmask, k)
+    allowed = allowed_bits(bitmask, vocab)
+    for k, row in enumerate(step.rows):
+        logits[row, ~allowed[k].to(logits.device)] = torch.finfo(logits.dtype).min
+
+
+def test_batched_step_matches_serial_reference(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed batches under the overlap loop (in-flight tokens) and one step at
+    a time: the same tokens and logprobs as the per-row reference."""
+    specs = [
+        json_schema(SCHEMA),
+        GrammarSpec("regex", r"(yes|no), [0-9]{2}"),
+        GrammarSpec("choice", json.dumps(["red", "green"])),
+        None,
+        GrammarSpec("json_object"),
+    ]
+    prompts = [[3 + s, 8, 21] for s in range(10)]
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            temperature=[0.0, 1.0, 0.7][s % 3],
+            seed=s,
+            grammar=specs[s % 5],
+            ignore_eos=specs[s % 5] is None,
+        )
+        for s in range(10)
+    ]
+    batched = llm.generate(prompts, params)
+    alone = run_without_overlap(llm, prompts[0], params[0])
+    monkeypatch.setattr(GrammarStep, "__call__", serial_mask)
+    serial = llm.generate(prompts, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in serial]
+    assert [o.logprobs for o in batched] == [o.logprobs for o in serial]
+    assert alone == serial[0].token_ids
+    assert any(o.finish_reason == "stop" for o in batched)
+    assert_pool_back(llm)
+
+
+def test_batched_accept_replays_like_serial(llm: LLM) -> None:
+    """Matchers owed different numbers of tokens (a replay, a recompute after
+    a retraction) end where token-by-token acceptance leaves them, and so do
+    their masks; a token that does not fit is counted and skipped."""
+    spec = json_schema(SCHEMA)
+    out = llm.generate([[9, 9, 2]], SamplingParams(max_tokens=60, seed=4, grammar=spec))[0]
+    toks = out.token_ids[:-1]
+    backend = llm.engine.grammar_backend()
+    owed = [toks[:0], toks[:1], toks[:3], toks[:9], toks[:5] + [-1 % backend.vocab_size]]
+    fast = [backend.request_grammar(spec) for _ in owed]
+    slow = [backend.request_grammar(spec) for _ in owed]
+    backend.accept(fast, owed)
+    for g, t in zip(slow, owed):
+        for tok in t:
+            g.accepted(g.matcher.accept_token(tok), tok)
+    assert [g.num_accepted for g in fast] == [len(t) for t in owed]
+    assert [g.rejected for g in fast] == [False] * 4 + [True]
+    words = -(-backend.vocab_size // 32)
+    mine = torch.zeros(len(owed), words, dtype=torch.int32)
+    backend.fill(fast, mine)
+    ref = torch.full_like(mine, -1)
+    for k, g in enumerate(slow):
+        g.matcher.fill_next_token_bitmask(ref, k)
+    assert torch.equal(mine, ref)
+
+
+def packed_case(
+    rows: list[int], vocab: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(max(rows) + 2, vocab, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), -(-vocab // 32)), generator=g).int()
+    packed = torch.cat([torch.tensor(rows, dtype=torch.int32), bitmask.flatten()])
+    return logits, bitmask, packed
+
+
+def test_packed_mask_matches_bits() -> None:
+    rows = [4, 0, 2]
+    logits, bitmask, packed = packed_case(rows, 1000, 2)
+    ours = logits.clone()
+    apply_packed_bitmask(ours, packed, len(rows))
+    ref = logits.clone()
+    allowed = allowed_bits(bitmask, 1000)
+    for k, row in enumerate(rows):
+        ref[row, ~allowed[k]] = torch.finfo(ref.dtype).min
+    assert torch.equal(ours, ref)
+
+
+def test_mask_kernel_interpreted() -> None:
+    """The Triton kernel run by Triton's interpreter on the CPU: the same
+    logits as the tensor ops, in float32 and bfloat16."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from engine.grammar import apply_token_bitmask
+from engine.grammar_triton import apply_packed_bitmask
+from tests.test_grammar import packed_case
+rows = [5, 1, 3]
+for dtype in (torch.float32, torch.bfloat16):
+    logits, bitmask, packed = packed_case(rows, 5003, 3)
+    logits = logits.to(dtype)
+    ref = logits.clone()
+    apply_token_bitmask(ref, bitmask, torch.tensor(rows))
+    ours = logits.clone()
+    apply_packed_bitmask(ours, packed, len(rows))
+    assert torch.equal(ours, ref), dtype
+    assert (ours == torch.finfo(dtype).min).any()
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_mask_buffer_alternates_and_grows() -> None:
+    buf = MaskBuffer(words=3)
+    slot_a, a = buf.take(2, pinned=False)
+    slot_b, b = buf.take(4, pinned=False)
+    assert slot_a != slot_b and a.numel() == 8 and b.numel() == 16
+    a.fill_(7)
+    b.fill_(9)
+    slot_c, c = buf.take(5, pinned=False)
+    assert slot_c == slot_a and c.numel() == 20
+    assert torch.equal(b, torch.full((16,), 9, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_packed_mask_on_cuda_matches_cpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rows = list(range(0, 64, 2))
+    logits, _, packed = packed_case(rows, 128_256, 4)
+    cpu = logits.clone()
+    apply_packed_bitmask(cpu, packed, len(rows))
+    for dtype in (torch.float32, torch.bfloat16):
+        gpu = logits.to("cuda", dtype)
+        buf = MaskBuffer(words=-(-128_256 // 32))
+        slot, host = buf.take(len(rows), pinned=True)
+        host.copy_(packed)
+        apply_packed_bitmask(gpu, buf.to_device(slot, host, gpu.device), len(rows))
+        masked = gpu.cpu() == torch.finfo(dtype).min
+        assert torch.equal(masked, cpu == torch.finfo(torch.float32).min)
+        kept = ~masked
+        assert torch.equal(gpu.cpu()[kept], logits.to(dtype)[kept])
