@@ -3,7 +3,11 @@ stop strings and token limits, or the 400 error that says what is wrong."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from typing import Annotated, Any
+
+import msgspec
 
 from gateway.openai.errors import APIError
 from gateway.openai.requests import ChatMessage, CompletionRequest, GenerationRequest, Prompt
@@ -35,6 +39,11 @@ def completion_prompts(
     must be in [0, ``vocab_size``) (None: the tokenizer's size)."""
     p: Any = prompt
     vocab = tokenizer.vocab_size if vocab_size is None else vocab_size
+    if isinstance(p, list) and p and isinstance(p[0], int):
+        # The common case of ids, checked and copied in one pass in C; any
+        # failure takes the full path below, which says what is wrong.
+        with contextlib.suppress(msgspec.ValidationError):
+            return [msgspec.convert(p, _ids_below(vocab))]
     if isinstance(p, str):
         prompts = [tokenizer.encode(p)]
     elif not isinstance(p, list) or not p:
@@ -58,6 +67,13 @@ def completion_prompts(
         # Every id is an int by now (given, or from the tokenizer).
         _check_range(ids, vocab, "prompt")
     return prompts
+
+
+@functools.lru_cache(maxsize=8)
+def _ids_below(vocab_size: int) -> Any:
+    """A list of token ids in [0, ``vocab_size``), as msgspec checks it: exact
+    ints only (no bool, float or string), as ``_all_token_ids`` takes them."""
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
 
 
 def _all_token_ids(xs: list[Any]) -> bool:
