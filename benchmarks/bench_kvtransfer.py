@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import random
@@ -77,7 +78,7 @@ def _serve(state: dict[str, Any], cmd: str, *args: Any) -> Any:
     be = state["backend"]
     if cmd == "connect":
         be.connect(*args)
-        return None
+        return be.route(args[0]) if hasattr(be, "route") else None
     if cmd == "run":
         peer, ranges, warmup, iters, poll_s = args
         times = []
@@ -113,11 +114,23 @@ def _serve(state: dict[str, Any], cmd: str, *args: Any) -> Any:
 # ------------------------------------------------------------------ driver
 
 
+RUN_PAGES = 8
+"""Pages per run of the ``runs`` layout."""
+
+
 def page_map(layout: str, n: int, seed: int) -> tuple[list[int], list[int]]:
     if layout == "contiguous":
         return list(range(1, n + 1)), list(range(1, n + 1))
     rng = random.Random(seed)
-    return rng.sample(range(1, 2 * n + 1), n), rng.sample(range(1, 2 * n + 1), n)
+    if layout == "scattered":
+        return rng.sample(range(1, 2 * n + 1), n), rng.sample(range(1, 2 * n + 1), n)
+
+    # runs: RUN_PAGES-page runs, consecutive on both sides, at random places.
+    def runs() -> list[int]:
+        blocks = rng.sample(range(2 * n // RUN_PAGES), -(-n // RUN_PAGES))
+        return [1 + b * RUN_PAGES + i for b in blocks for i in range(RUN_PAGES)][:n]
+
+    return runs(), runs()
 
 
 def shapes(args: argparse.Namespace) -> tuple[str, int, int, int, torch.dtype]:
@@ -146,8 +159,11 @@ def bench_backend(
 ) -> list[dict]:
     _, layers, kv_heads, head_dim, dtype = shape
     n = -(-args.tokens // args.page_size)
-    num_pages = 2 * n + 1 if "scattered" in layouts else n + 1
+    num_pages = n + 1 if layouts == ["contiguous"] else 2 * n + RUN_PAGES + 1
+    backend, _, route = backend.partition("/")
     kwargs: dict[str, Any] = {"timeout": args.timeout}
+    if route:
+        kwargs["cuda_ipc"] = route != "ucx"
     if backend == "tcp" and args.chunk_mib:
         kwargs["chunk_bytes"] = int(args.chunk_mib * (1 << 20))
 
@@ -162,7 +178,7 @@ def bench_backend(
     try:
         src.call("setup", backend, "bench-src", kwargs, cfg(args.src_device), 1)
         dst_md = dst.call("setup", backend, "bench-dst", kwargs, cfg(args.dst_device), 2)
-        src.call("connect", "bench-dst", dst_md)
+        path = src.call("connect", "bench-dst", dst_md) or backend
         page_bytes = cfg("cpu").page_bytes
         idle = {}
         if args.idle_s > 0:  # both agents set up and connected, no transfer yet
@@ -183,6 +199,7 @@ def bench_backend(
             rows.append(
                 {
                     "backend": backend,
+                    "route": path,
                     "layout": layout,
                     "src_device": args.src_device,
                     "dst_device": args.dst_device,
@@ -226,7 +243,7 @@ def machine_info(devices: list[str]) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'backend':<7} {'layout':<10} {'src->dst':<16} {'descs':>7} {'MiB':>9} "
+        f"{'backend':<7} {'route':<8} {'tokens':>6} {'layout':<10} {'src->dst':<16} {'descs':>7} {'MiB':>9} "
         f"{'median ms':>10} {'GB/s':>8} {'best GB/s':>9} {'ok':>4} {'idle CPU src/dst':>16}"
     )
     print(head)
@@ -236,7 +253,7 @@ def print_table(rows: list[dict]) -> None:
         idle = r.get("idle_cpu_core_fraction") or {}
         idle_s = f"{idle['src']:.0%}/{idle['dst']:.0%}" if idle else "-"
         print(
-            f"{r['backend']:<7} {r['layout']:<10} "
+            f"{r['backend']:<7} {r.get('route', '-'):<8} {r['tokens']:>6} {r['layout']:<10} "
             f"{r['src_device'] + '->' + r['dst_device']:<16} {r['descriptors']:>7} "
             f"{r['bytes'] / 2**20:>9.1f} {r['median_ms']:>10.3f} {r['gbps']:>8.2f} "
             f"{r['gbps_best']:>9.2f} {ok:>4} {idle_s:>16}"
@@ -248,7 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--tokens", type=int, default=4096, help="tokens whose KV is moved (default 4096)"
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[4096],
+        help="tokens whose KV is moved; several sizes run one after another (default 4096)",
     )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument(
@@ -268,16 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--backend",
-        choices=[*sorted(TRANSFER_BACKENDS), "all"],
+        choices=[*sorted(TRANSFER_BACKENDS), "nixl/ucx", "nixl/cuda_ipc", "all"],
         default="all",
-        help="transfer backend to measure; 'all' runs each (default all)",
+        help="transfer backend to measure; nixl takes CUDA IPC to a GPU peer of this host "
+        "where it can ('nixl/ucx': always UCX); 'all' runs tcp, nixl and nixl/ucx (default all)",
     )
     p.add_argument(
         "--layout",
-        choices=["contiguous", "scattered", "all"],
+        choices=["contiguous", "scattered", "runs", "all"],
         default="all",
         help="page map: 'contiguous' (src 1..n -> dst 1..n, one descriptor), "
         "'scattered' (random pages of a 2n-page pool, ~one descriptor per page), "
+        f"'runs' (runs of {RUN_PAGES} pages at random places: a pool half fragmented), "
         "or 'all' (default)",
     )
     p.add_argument(
@@ -352,21 +375,23 @@ def main(argv: list[str] | None = None) -> None:
         args.model = "llama-3.1-8b"
     args.src_device = args.src_device or args.device
     args.dst_device = args.dst_device or args.device
-    if args.tokens < 1 or args.page_size < 1 or args.iters < 1:
+    if min(args.tokens) < 1 or args.page_size < 1 or args.iters < 1:
         parser.error("--tokens, --page-size and --iters must be >= 1")
 
     shape = shapes(args)
-    backends = sorted(TRANSFER_BACKENDS) if args.backend == "all" else [args.backend]
-    layouts = ["contiguous", "scattered"] if args.layout == "all" else [args.layout]
+    backends = ["tcp", "nixl", "nixl/ucx"] if args.backend == "all" else [args.backend]
+    layouts = ["contiguous", "runs", "scattered"] if args.layout == "all" else [args.layout]
     label, layers, kv_heads, head_dim, dtype = shape
     print(
-        f"KV of {args.tokens} tokens, {label}: {layers} layers x {kv_heads} kv heads x "
+        f"KV of {'/'.join(map(str, args.tokens))} tokens, {label}: {layers} layers x {kv_heads} kv heads x "
         f"{head_dim} head dim, {str(dtype).removeprefix('torch.')}, page size {args.page_size}"
     )
     rows: list[dict] = []
-    for backend in [] if args.pd_only else backends:
+    for backend, tokens in [] if args.pd_only else itertools.product(backends, args.tokens):
         try:
-            rows += bench_backend(backend, args, shape, layouts)
+            rows += bench_backend(
+                backend, argparse.Namespace(**{**vars(args), "tokens": tokens}), shape, layouts
+            )
         except Exception as e:  # e.g. nixl missing: report and go on with the others
             if args.backend != "all":
                 raise

@@ -65,6 +65,12 @@ class TransferBackend(ABC):
     def disconnect(self, peer: str) -> None:
         """Forget a peer (after it died or was removed)."""
 
+    def prune(self) -> list[str]:
+        """Forget the peers known to have exited; returns their names. Called
+        now and then by the writing side: a backend that holds resources of its
+        peers (a mapped pool) lets go of them here."""
+        return []
+
     @abstractmethod
     def close(self) -> None:
         """Release every resource; safe to call twice."""

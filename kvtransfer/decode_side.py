@@ -20,12 +20,10 @@ from zmq.utils.monitor import recv_monitor_message
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.backend import TransferBackend
 from kvtransfer.compat import compat_hash, sign
-from kvtransfer.endpoint import bind_router
+from kvtransfer.endpoint import PEER_HEARTBEAT_IVL_S, PEER_HEARTBEAT_TIMEOUT_S, bind_router
 
 log = logging.getLogger(__name__)
 
-PEER_HEARTBEAT_IVL_S = 0.5
-PEER_HEARTBEAT_TIMEOUT_S = 1.5
 """A prefill engine silent this long (no ZMTP PONG: libzmq answers PINGs in its
 own I/O thread, so a busy engine still answers) is taken as gone."""
 

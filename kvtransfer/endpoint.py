@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import zmq
 
+PEER_HEARTBEAT_IVL_S = 0.5
+PEER_HEARTBEAT_TIMEOUT_S = 1.5
+"""ZMTP heartbeats on every KV-plane connection (both ends): a peer that
+stops answering is dropped within the timeout, not at a transfer deadline."""
+
 
 def bind_router(host: str, port: int) -> tuple[zmq.Socket, str]:
     """A ROUTER bound at ``host:port`` (0 picks a free port) and its endpoint."""

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kvtransfer import cuda_ipc
 from kvtransfer.backend import ByteRange, TransferBackend, TransferError, TransferState
 from kvtransfer.layout import buffer_nbytes, check_ranges
 
@@ -87,6 +88,10 @@ class NixlMetadata(msgspec.Struct, frozen=True):
     nbytes: int
     device_id: int
     mem_type: str  # "DRAM" or "VRAM"
+    ipc: cuda_ipc.IpcExport | None = None
+    """The buffer as a CUDA IPC handle, for writers on the same host
+    (``kvtransfer.cuda_ipc``); None for host memory or when it cannot be
+    exported. A default, so that peers without it decode it as None."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -100,6 +105,11 @@ class _Xfer:
     state: TransferState
     deadline: float
     error: str | None = None
+    done: torch.cuda.Event | None = None
+    """A CUDA IPC write: the event recorded after its copy (it has no NIXL handle)."""
+    keep: Any = None
+    """What a CUDA IPC write's copy reads until ``done``: its chunk table and the
+    peer's mapped buffer."""
 
 
 class NixlBackend(TransferBackend):
@@ -109,6 +119,9 @@ class NixlBackend(TransferBackend):
     timeout: seconds a write may stay in progress before it is FAILED (and
         aborted); guards against a peer that died mid-transfer.
     num_threads: UCX worker threads (0: NIXL's default).
+    cuda_ipc: write into peers on this host by a copy kernel through CUDA IPC
+        (``kvtransfer.cuda_ipc``) instead of UCX, where the peer can be opened
+        that way; False: always UCX.
     """
 
     name = "nixl"
@@ -119,8 +132,10 @@ class NixlBackend(TransferBackend):
         backends: Sequence[str] = ("UCX",),
         timeout: float = DEFAULT_TIMEOUT_S,
         num_threads: int = 0,
+        cuda_ipc: bool = True,
     ) -> None:
         super().__init__(agent_name)
+        self.cuda_ipc = cuda_ipc
         api = import_nixl()
         self.timeout = float(timeout)
         self.last_error: str | None = None
@@ -140,6 +155,12 @@ class NixlBackend(TransferBackend):
         self._handles = itertools.count(1)
         self._leaked: list[Any] = []
         self._closed = False
+        self._export: cuda_ipc.IpcExport | None = None
+        self._ipc_writer: cuda_ipc.IpcWriter | None = None
+        self._ipc_peers: dict[str, torch.Tensor] = {}
+        """Peers written through CUDA IPC: their opened buffers."""
+        self._exited: set[str] = set()
+        """Peers ``prune`` found gone: writes to them fail (they do not raise)."""
 
     # ------------------------------------------------------------------ API
 
@@ -161,13 +182,17 @@ class NixlBackend(TransferBackend):
             raise TransferError(f"NIXL could not register {nbytes} bytes of {mem}: {e}") from e
         self._buffer = buffer
         self._local = (base, nbytes, dev, mem)
+        if self.cuda_ipc and mem == "VRAM":
+            self._export = cuda_ipc.export_buffer(buffer)
 
     def metadata(self) -> bytes:
         if self._local is None:
             raise TransferError("register() a buffer before publishing metadata")
         base, nbytes, dev, mem = self._local
         md = self._agent.get_agent_metadata()
-        return _encode(NixlMetadata(self.agent_name, bytes(md), base, nbytes, dev, mem))
+        return _encode(
+            NixlMetadata(self.agent_name, bytes(md), base, nbytes, dev, mem, self._export)
+        )
 
     def connect(self, peer: str, metadata: bytes) -> None:
         self._check_open()
@@ -175,6 +200,7 @@ class NixlBackend(TransferBackend):
         known = self._peers.get(peer)
         if known is not None and known[0] == metadata:
             return
+        self._exited.discard(peer)
         try:
             meta = _decode_meta(metadata)
         except msgspec.DecodeError as e:
@@ -193,19 +219,38 @@ class NixlBackend(TransferBackend):
             self._agent.remove_remote_agent(name)
             raise TransferError(f"NIXL metadata names agent {name!r}, not {peer!r}")
         self._peers[peer] = (metadata, meta)
+        self._open_ipc(peer, meta)
+
+    def prune(self) -> list[str]:
+        gone = []
+        for peer in list(self._ipc_peers):
+            ipc = self._peers[peer][1].ipc
+            if ipc is not None and cuda_ipc.exporter_gone(ipc):
+                logger.info("%s: peer %s has exited; its pool is unmapped", self.agent_name, peer)
+                self._forget(peer)
+                self._exited.add(peer)
+                gone.append(peer)
+        return gone
+
+    def route(self, peer: str) -> str:
+        """How writes to ``peer`` travel: "cuda_ipc" or "ucx"."""
+        return "cuda_ipc" if peer in self._ipc_peers else "ucx"
 
     def write(self, peer: str, ranges: Sequence[ByteRange]) -> int:
         self._check_open()
         if self._local is None:
             raise TransferError("register() a buffer before writing")
         known = self._peers.get(peer)
-        if known is None:
+        if known is None and peer not in self._exited:
             raise TransferError(f"unknown peer {peer!r}: connect() it first")
-        meta = known[1]
         ranges = [ByteRange(*map(int, r)) for r in ranges if r[2] != 0]
         handle = next(self._handles)
         xfer = _Xfer(peer, None, TransferState.PENDING, time.monotonic() + self.timeout)
         self._xfers[handle] = xfer
+        if known is None:
+            self._fail(xfer, f"write to {peer!r} refused: the peer has exited")
+            return handle
+        meta = known[1]
         if not ranges:
             xfer.state = TransferState.DONE
             return handle
@@ -213,6 +258,16 @@ class NixlBackend(TransferBackend):
         error = check_ranges(ranges, nbytes, meta.nbytes)
         if error is not None:
             self._fail(xfer, f"write to {peer!r} refused: {error}")
+            return handle
+        peer_buf = self._ipc_peers.get(peer)
+        if peer_buf is not None and cuda_ipc.aligned(ranges):
+            assert self._ipc_writer is not None
+            try:
+                xfer.done, table = self._ipc_writer.start(peer_buf, ranges)
+            except Exception as e:
+                self._fail(xfer, f"CUDA IPC write to {peer!r} failed to start: {e}")
+                return handle
+            xfer.keep = (table, peer_buf)
             return handle
         n = len(ranges)
         r = np.asarray(ranges, dtype=np.uint64).reshape(n, 3)
@@ -242,7 +297,13 @@ class NixlBackend(TransferBackend):
         xfer = self._xfers.get(handle)
         if xfer is None:
             raise TransferError(f"unknown transfer handle {handle}")
-        if xfer.state is TransferState.PENDING:
+        if xfer.state is TransferState.PENDING and xfer.done is not None:
+            # No deadline: a kernel cannot be aborted, and the peer's pages
+            # must not be reused while it may still write them; it ends in
+            # the time its bytes take.
+            if xfer.done.query():
+                self._settle(xfer, TransferState.DONE)
+        elif xfer.state is TransferState.PENDING:
             try:
                 status = self._agent.check_xfer_state(xfer.handle)
             except Exception as e:
@@ -271,6 +332,8 @@ class NixlBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
+        if self._ipc_writer is not None:
+            self._ipc_writer.stream.synchronize()  # no copy may outlive the backend
         for xfer in self._xfers.values():
             if xfer.state is TransferState.PENDING:
                 self._fail(xfer, "backend closed")
@@ -293,10 +356,27 @@ class NixlBackend(TransferBackend):
         if self._closed:
             raise TransferError("backend is closed")
 
+    def _open_ipc(self, peer: str, meta: NixlMetadata) -> None:
+        """Write into ``peer`` through CUDA IPC from now on, if it can be opened."""
+        if not self.cuda_ipc or meta.ipc is None or self._buffer is None:
+            return
+        if not self._buffer.is_cuda or meta.ipc.nbytes != meta.nbytes:
+            return
+        opened = cuda_ipc.open_buffer(meta.ipc, self._buffer.device)
+        if opened is None:
+            return
+        if self._ipc_writer is None:
+            self._ipc_writer = cuda_ipc.IpcWriter(self._buffer)
+        self._ipc_peers[peer] = opened
+        logger.info("%s: writes to %s go through CUDA IPC", self.agent_name, peer)
+
     def _forget(self, peer: str) -> None:
         for xfer in self._xfers.values():
-            if xfer.peer == peer and xfer.state is TransferState.PENDING:
+            # A copy already queued on the device runs to its end (its event
+            # is no longer polled; what it reads stays referenced by it).
+            if xfer.peer == peer and xfer.state is TransferState.PENDING and xfer.done is None:
                 self._fail(xfer, f"peer {peer!r} was disconnected")
+        self._ipc_peers.pop(peer, None)
         self._peers.pop(peer, None)
         try:
             self._agent.remove_remote_agent(peer)
@@ -317,6 +397,7 @@ class NixlBackend(TransferBackend):
 
     def _settle(self, xfer: _Xfer, state: TransferState) -> None:
         xfer.state = state
+        xfer.keep = None
         self._release(xfer)
 
     def _fail(self, xfer: _Xfer, error: str) -> None:

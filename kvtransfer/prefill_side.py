@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -19,6 +20,8 @@ from kvtransfer.endpoint import bind_router
 from kvtransfer.tp_map import HeadSlice, RankLayout, parse_layout, plan, slice_ranges
 
 log = logging.getLogger(__name__)
+
+PRUNE_INTERVAL_S = 0.5
 
 
 class RankWriters(Protocol):
@@ -76,11 +79,19 @@ class PrefillKVPlane:
         """Decode engine name -> its transfer-backend agent name."""
         self.rejected: dict[str, str] = {}
         """Decode engines whose handshake failed, with the reason."""
+        self._next_prune = 0.0
 
     def poll(self) -> list[tuple[str, to_prefill.Reserve | to_prefill.AbortRoom]]:
         """Handle pending messages; returns reservations and aborts with the
         name of the decode engine that sent them."""
         events: list[tuple[str, to_prefill.Reserve | to_prefill.AbortRoom]] = []
+        now = time.monotonic()
+        if now >= self._next_prune:
+            # A decode engine that exited may hold nothing of ours, but we may
+            # hold its pool (CUDA IPC): a restarted engine on the same GPU
+            # needs that memory back before it can start.
+            self._next_prune = now + PRUNE_INTERVAL_S
+            self.backend.prune()
         while True:
             try:
                 ident, payload = self._sock.recv_multipart(zmq.NOBLOCK)

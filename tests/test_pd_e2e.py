@@ -36,7 +36,7 @@ import pytest
 from workers import Worker, dump_log, free_port, launch_worker, launch_workers, worker_cmd
 
 from engine.llm import LLM
-from kvtransfer.decode_side import PEER_HEARTBEAT_TIMEOUT_S
+from kvtransfer.endpoint import PEER_HEARTBEAT_TIMEOUT_S
 from kvtransfer.nixl import nixl_available
 from prefill_server.scheduler import PREFILL_DONE
 from protocol.auth import keys_for

@@ -1,0 +1,227 @@
+"""Direct GPU-to-GPU page copies between processes of one host (CUDA IPC).
+
+A decode worker's KV pool is exported as a CUDA IPC handle in its transfer
+metadata; a prefill worker on the same host opens it (the same GPU, or a peer
+GPU over NVLink) and copies byte ranges into it with one kernel launch: one
+program per 64 KiB chunk of a range, however scattered the pages are. Through
+UCX a write costs ~20 us per descriptor on top of its bytes (256 scattered
+2 MiB pages of one H200 took 6.7 ms); the kernel moves the same 512 MiB in
+0.31 ms, at the copy rate of the memory.
+
+Used by the nixl backend for peers that can be opened this way; a peer that
+cannot (another host, no peer access, a pool that cannot be exported) keeps
+the UCX path. The handle is only ever sent inside the authenticated KV
+handshake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from kvtransfer.backend import ByteRange
+
+logger = logging.getLogger(__name__)
+
+WORD = 8
+"""Bytes per element the kernel moves; ranges must be multiples of it."""
+CHUNK_WORDS = 8192
+"""Words per program (64 KiB): large enough to stream, small enough that a
+few pages give every SM work."""
+
+
+class IpcExport(msgspec.Struct, frozen=True):
+    """What a peer needs to open a CUDA buffer: torch's IPC description of the
+    allocation that holds it (``UntypedStorage._share_cuda_``), the buffer's
+    place in it, and the host it lives on."""
+
+    host: str
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+    buffer_offset: int
+    """Bytes from the start of the shared storage to the buffer's first byte."""
+    nbytes: int
+    process: str
+    """The exporting process (``process_id``): a writer that sees it gone lets
+    go of the mapping, which holds the whole pool's memory until then."""
+
+
+@cache
+def host_id() -> str:
+    """This host's name and boot id: equal only for processes of one running
+    system (CUDA IPC handles mean nothing anywhere else)."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{socket.gethostname()}/{boot}"
+
+
+def process_id(pid: int) -> str:
+    """Process ``pid`` of this PID namespace as "namespace/pid/start time" ("" when
+    it does not exist): equal only for one process, even once its pid is reused."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    # The start time is field 22; the command name before it may hold spaces.
+    return f"{ns}/{pid}/{stat.rpartition(')')[2].split()[19]}"
+
+
+def exporter_gone(export: IpcExport) -> bool:
+    """True when the process that exported ``export`` has certainly exited
+    (False while it runs, and when this process cannot tell: another PID
+    namespace)."""
+    if not export.process:
+        return False
+    ns, pid, _ = export.process.rsplit("/", 2)
+    try:
+        if ns != os.readlink("/proc/self/ns/pid"):
+            return False
+    except OSError:
+        return False
+    return process_id(int(pid)) != export.process
+
+
+def export_buffer(buffer: torch.Tensor) -> IpcExport | None:
+    """``buffer``'s IPC description, or None when it cannot be shared (not on
+    CUDA, or an allocator mode without IPC)."""
+    if not buffer.is_cuda or not buffer.is_contiguous():
+        return None
+    storage = buffer.untyped_storage()
+    try:
+        dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
+    except Exception as e:  # e.g. expandable segments, which CUDA IPC cannot map
+        logger.info("KV pool not exported over CUDA IPC: %s", e)
+        return None
+    return IpcExport(
+        host=host_id(),
+        device=int(dev),
+        handle=bytes(handle),
+        storage_bytes=int(size),
+        storage_offset=int(offset),
+        ref_counter_handle=bytes(rc_handle),
+        ref_counter_offset=int(rc_offset),
+        event_handle=None if ev_handle is None else bytes(ev_handle),
+        event_sync_required=bool(ev_sync),
+        buffer_offset=buffer.storage_offset() * buffer.element_size(),
+        nbytes=buffer.numel() * buffer.element_size(),
+        process=process_id(os.getpid()),
+    )
+
+
+def open_buffer(export: IpcExport, local: torch.device) -> torch.Tensor | None:
+    """The peer's buffer as a flat uint8 tensor this process can write, or
+    None when it cannot be opened from ``local`` (another host, no peer
+    access between the two GPUs)."""
+    if export.host != host_id() or local.type != "cuda":
+        return None
+    try:
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            export.device,
+            export.handle,
+            export.storage_bytes,
+            export.storage_offset,
+            export.ref_counter_handle,
+            export.ref_counter_offset,
+            export.event_handle,
+            export.event_sync_required,
+        )
+    except Exception as e:
+        logger.info("peer KV pool not opened over CUDA IPC: %s", e)
+        return None
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return flat[export.buffer_offset : export.buffer_offset + export.nbytes]
+
+
+def aligned(ranges: list[ByteRange]) -> bool:
+    """Whether every range starts and ends on a ``WORD`` boundary."""
+    return all(
+        r.src_offset % WORD == 0 and r.dst_offset % WORD == 0 and r.nbytes % WORD == 0
+        for r in ranges
+    )
+
+
+def chunk_table(ranges: list[ByteRange]) -> np.ndarray:
+    """[3, chunks] int64: source word, destination word and length in words of
+    every chunk of at most ``CHUNK_WORDS`` of the ``WORD``-aligned ranges."""
+    r = np.asarray(ranges, dtype=np.int64).reshape(-1, 3) // WORD
+    counts = -(-r[:, 2] // CHUNK_WORDS)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    k = np.arange(int(counts.sum()), dtype=np.int64) - first
+    step = k * CHUNK_WORDS
+    out = np.empty((3, k.size), dtype=np.int64)
+    out[0] = np.repeat(r[:, 0], counts) + step
+    out[1] = np.repeat(r[:, 1], counts) + step
+    out[2] = np.minimum(np.repeat(r[:, 2], counts) - step, CHUNK_WORDS)
+    return out
+
+
+@cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_chunks(src, dst, table, chunks, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        s = tl.load(table + i)
+        d = tl.load(table + chunks + i)
+        n = tl.load(table + 2 * chunks + i)
+        offs = tl.arange(0, BLOCK)
+        keep = offs < n
+        tl.store(dst + d + offs, tl.load(src + s + offs, mask=keep), mask=keep)
+
+    return copy_chunks
+
+
+def copy_ranges(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:
+    """Copy the chunks of ``table`` (``chunk_table``, on the device) from the
+    flat uint8 ``src`` into the flat uint8 ``dst`` on the current stream."""
+    chunks = table.shape[1]
+    if chunks == 0:
+        return
+    _kernel()[(chunks,)](
+        src.view(torch.int64), dst.view(torch.int64), table, chunks, BLOCK=CHUNK_WORDS, num_warps=8
+    )
+
+
+class IpcWriter:
+    """Writes into opened peer buffers from a side stream: each write waits for
+    what the caller's stream has queued so far (the KV it copies was computed
+    there), runs while that stream goes on, and ends with an event to poll."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.local = local.view(-1).view(torch.uint8)
+        self.device = local.device
+        self.stream = torch.cuda.Stream(self.device)
+
+    def start(self, peer: torch.Tensor, ranges: list[ByteRange]) -> tuple[torch.cuda.Event, Any]:
+        """Queue the copy of ``ranges``; returns its completion event and what
+        must stay alive until then (the chunk table)."""
+        table_host = torch.from_numpy(chunk_table(ranges)).pin_memory()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            table = table_host.to(self.device, non_blocking=True)
+            copy_ranges(self.local, peer, table)
+            done.record(self.stream)
+        return done, (table_host, table)
