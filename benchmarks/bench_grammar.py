@@ -98,12 +98,17 @@ def synthetic_vocab(size: int, stop_ids: list[int]) -> list[bytes]:
     return vocab
 
 
-def grammar_backend(engine: Engine, tokenizer: str | None) -> tuple[GrammarBackend, str]:
+def grammar_backend(
+    engine: Engine, tokenizer: str | None, fill_threads: int | None
+) -> tuple[GrammarBackend, str]:
     mc = engine.model_config
     if tokenizer is None and (Path(engine.config.model) / "tokenizer.json").exists():
         tokenizer = engine.config.model
     if tokenizer is not None:
-        return GrammarBackend.for_model(tokenizer, mc.vocab_size, mc.eos_token_ids), tokenizer
+        backend = GrammarBackend.for_model(
+            tokenizer, mc.vocab_size, mc.eos_token_ids, fill_threads=fill_threads
+        )
+        return backend, tokenizer
     import xgrammar as xgr
 
     stops = list(mc.eos_token_ids)
@@ -113,7 +118,7 @@ def grammar_backend(engine: Engine, tokenizer: str | None) -> tuple[GrammarBacke
         vocab_size=mc.vocab_size,
         stop_token_ids=stops,
     )
-    return GrammarBackend(info, stops), "synthetic"
+    return GrammarBackend(info, stops, fill_threads=fill_threads), "synthetic"
 
 
 class HostClock:
@@ -257,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--min-items", type=int, default=64, help="items the schema's array needs at least"
     )
+    ap.add_argument(
+        "--fill-threads",
+        type=int,
+        default=None,
+        help="xgrammar threads filling the bitmask (default: the engine's, half the cores, <= 8)",
+    )
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument(
         "--output-file", default=None, help="record path (default: results/grammar-MODEL-DATE.json)"
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=max(args.batch_size, 1),
     )
     engine = Engine(cfg)
-    backend, tokenizer = grammar_backend(engine, args.tokenizer)
+    backend, tokenizer = grammar_backend(engine, args.tokenizer, args.fill_threads)
     engine._grammars = backend
     spec = GrammarSpec("json_schema", json.dumps(schema(args.min_items)))
     t0 = time.perf_counter()
@@ -305,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "compile_s": compile_s,
+        "fill_threads": getattr(backend, "fill_threads", None),
         "free": free,
         "json_schema": constrained,
         "step_time_ratio": ratio,

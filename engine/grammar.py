@@ -89,10 +89,16 @@ class GrammarBackend:
     """Compiles ``GrammarSpec``s for one tokenizer and makes request matchers.
 
     ``tokenizer_info`` is an ``xgrammar.TokenizerInfo`` whose vocabulary size
-    is the model's (its logits' width); ``stop_token_ids`` end a grammar."""
+    is the model's (its logits' width); ``stop_token_ids`` end a grammar;
+    ``fill_threads``: xgrammar's threads filling a step's bitmask (None: half
+    the cores this process may use, at most 8)."""
 
     def __init__(
-        self, tokenizer_info: Any, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE
+        self,
+        tokenizer_info: Any,
+        stop_token_ids: Sequence[int],
+        cache_size: int = CACHE_SIZE,
+        fill_threads: int | None = None,
     ) -> None:
         import xgrammar as xgr
 
@@ -107,13 +113,18 @@ class GrammarBackend:
         )
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._cache_size = cache_size
-        self._batch = xgr.BatchGrammarMatcher(_fill_threads())
+        self.fill_threads = fill_threads or _fill_threads()
+        self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
         self.mask_buffer = MaskBuffer(-(-self.vocab_size // 32))
         self.times = GrammarTimes()
 
     @classmethod
     def for_model(
-        cls, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int]
+        cls,
+        model_dir: str,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        fill_threads: int | None = None,
     ) -> GrammarBackend:
         """The backend of the HF tokenizer files in ``model_dir``."""
         import xgrammar as xgr
@@ -129,7 +140,7 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        return cls(info, stop_token_ids)
+        return cls(info, stop_token_ids, fill_threads=fill_threads)
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of ``spec`` (``GrammarError`` if it has none)."""
@@ -249,11 +260,12 @@ class RequestGrammar:
         """The output tokens it has yet to accept up to index ``upto``
         (excluded): output token ``i`` is ``fill_ids[start + i]``, and past the
         end of ``fill_ids`` the token still ``in_flight``."""
-        owed = []
-        for i in range(self.num_accepted, upto):
-            tok = fill_ids[start + i] if start + i < len(fill_ids) else in_flight
-            assert tok is not None, "a token the mask depends on is unknown"
-            owed.append(tok)
+        owed = list(fill_ids[start + self.num_accepted : start + upto])
+        if len(owed) < upto - self.num_accepted:
+            assert in_flight is not None, "a token the mask depends on is unknown"
+            # At most one token is in flight (the overlap loop runs one step ahead).
+            owed.append(in_flight)
+        assert len(owed) == max(0, upto - self.num_accepted)
         return owed
 
     def accepted(self, ok: bool, tok: int) -> None:
@@ -270,32 +282,35 @@ class RequestGrammar:
 class MaskBuffer:
     """Host memory for the mask of a step: int32, the grammar rows' indices in
     the batch and then their bitmask (``[rows, ceil(V / 32)]``, xgrammar's
-    layout), copied to the device in one go. For a GPU it is pinned (the copy
-    is queued, not waited for) and there are two, used in turn: the host fills
-    one while the other's copy may still wait behind the forward in flight; an
-    event recorded after each copy guards the reuse."""
+    layout), copied to the device in one go. For a GPU it is pinned and there
+    are two, used in turn: the host fills one while the other's copy may still
+    be queued; an event recorded after each copy guards the reuse. The copy
+    runs on a stream of its own, so it overlaps the forward in flight instead
+    of waiting behind it; the logits' stream waits for it before the mask."""
 
     def __init__(self, words: int) -> None:
         self.words = words
-        self._host: list[torch.Tensor] = []
-        self._copied: list[torch.cuda.Event | None] = []
+        self._host: list[torch.Tensor] = [torch.empty(0, dtype=torch.int32)] * 2
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._pinned = False
         self._next = 0
+        self._stream: torch.cuda.Stream | None = None
 
     def take(self, rows: int, pinned: bool) -> tuple[int, torch.Tensor]:
         """A buffer (its slot and its tensor) for ``rows`` rows that no queued
         copy still reads."""
+        if pinned != self._pinned:
+            self._host = [torch.empty(0, dtype=torch.int32)] * 2
+            self._pinned = pinned
         need = rows * (1 + self.words)
         slot = self._next
         self._next ^= 1
-        while len(self._host) <= slot:
-            self._host.append(torch.empty(0, dtype=torch.int32))
-            self._copied.append(None)
         event = self._copied[slot]
         if event is not None:
             event.synchronize()
             self._copied[slot] = None
         host = self._host[slot]
-        if host.numel() < need or host.is_pinned() != pinned:
+        if host.numel() < need:
             host = torch.empty(max(need, 2 * host.numel()), dtype=torch.int32, pin_memory=pinned)
             self._host[slot] = host
         return slot, host[:need]
@@ -303,9 +318,16 @@ class MaskBuffer:
     def to_device(self, slot: int, packed: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
             return packed.to(device)
-        out = packed.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self._stream):
+            out = packed.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        main.wait_event(event)
+        # Allocated for the copy's stream, read on the logits' stream.
+        out.record_stream(main)
         self._copied[slot] = event
         return out
 
