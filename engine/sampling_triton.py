@@ -571,7 +571,7 @@ class _Workspace(NamedTuple):
     ci: torch.Tensor
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
 def _workspace(device: torch.device, rows: int, nsplit: int) -> _Workspace:
     f32, i32 = torch.float32, torch.int32
 
