@@ -222,8 +222,10 @@ class GrammarBackend:
             # whose token is dropped.
             bitmask.fill_(-1)
         if live:
+            # Through numpy's view of the same memory: torch hands a pinned
+            # tensor to DLPack as CUDA host memory, which xgrammar may refuse.
             self._batch.batch_fill_next_token_bitmask(
-                [grammars[k].matcher for k in live], bitmask, live
+                [grammars[k].matcher for k in live], bitmask.numpy(), live
             )
 
 
