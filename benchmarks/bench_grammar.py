@@ -25,6 +25,13 @@ both spent waiting for sampled tokens to reach the host: near 0 means the
 loop is host-bound), and the grammar's own parts inside ``launch``: ``wait``
 for step N's tokens, ``fill`` (accept tokens, fill the bitmask), ``copy`` (the
 bitmask to the device) and ``apply`` (queue the mask on the logits).
+
+``--mask-only`` times the grammar mask alone, without a model: the batch's
+grammar rows under the schema over a synthetic vocabulary of ``--vocab-size``
+(each row takes an allowed token of its mask per step), the same host parts
+per step, on the CPU or on ``--device``::
+
+    python benchmarks/bench_grammar.py --mask-only --batch-size 64 --json-schema-fraction 0.5
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_commit, host_info  # noqa: E402
+from benchmarks.common import git_commit, host_info, write_record  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.grammar import GrammarBackend  # noqa: E402
@@ -241,6 +248,84 @@ def describe(name: str, result: dict) -> str:
     return line
 
 
+def mask_only(args: argparse.Namespace) -> None:
+    """Host ms per step of the grammar mask of a batch, without a model."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from engine.grammar import GrammarStep
+    from engine.request import Request
+
+    vocab, stops = args.vocab_size, [args.vocab_size - 1]
+    info = xgr.TokenizerInfo(
+        synthetic_vocab(vocab, stops), xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=stops
+    )
+    backend = GrammarBackend(info, stops, fill_threads=args.fill_threads)
+    spec = GrammarSpec("json_schema", json.dumps(schema(args.min_items)))
+    backend.compile(spec)
+    n_grammar = round(args.batch_size * args.json_schema_fraction)
+    reqs = []
+    for i in range(args.batch_size):
+        req = Request(f"r{i}", [1], SamplingParams(max_tokens=1 << 20), i, 1 << 21)
+        if i < n_grammar:
+            req.grammar = backend.request_grammar(spec)
+        reqs.append(req)
+    logits = torch.zeros(args.batch_size, vocab, device=args.device)
+    # Tokens come from a fixed sample of the vocabulary where the mask allows
+    # one (else from all it allows): cheap next to the mask, so the timed parts
+    # run with warm caches as they would between forwards.
+    cand = np.random.default_rng(0).permutation(vocab)[:4096]
+    words = backend.mask_buffer.words
+    parts: list[dict[str, float]] = []
+    for step in range(args.warmup_steps + args.decode_steps):
+        for r in reqs:
+            r.pending = 1
+        step_mask = GrammarStep.for_batch(backend, reqs, None, None)
+        assert step_mask is not None
+        before = backend.times.snapshot()
+        step_mask(logits)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        after = backend.times.snapshot()
+        if step >= args.warmup_steps:
+            parts.append({k: after[k] - before[k] for k in after})
+        host = backend.mask_buffer._host[backend.mask_buffer._next ^ 1]
+        bits = host[n_grammar : n_grammar * (1 + words)].view(n_grammar, words).numpy()
+        for k, req in enumerate(reqs):
+            tok = 0
+            if k < n_grammar:
+                ok = cand[((bits[k, cand >> 5] >> (cand & 31)) & 1).astype(bool)]
+                if len(ok) == 0:
+                    flat = np.unpackbits(bits[k].view(np.uint8), bitorder="little")[:vocab]
+                    ok = np.nonzero(flat)[0]
+                tok = int(ok[(step * 7919 + k) % len(ok)])
+            req.pending = 0
+            req.fill_ids.append(tok)
+    keys = ("wait", "fill", "copy", "apply")
+    body = {
+        "mask_only": True,
+        "batch_size": args.batch_size,
+        "grammar_rows": n_grammar,
+        "vocab_size": vocab,
+        "device": args.device,
+        "fill_threads": backend.fill_threads,
+        "timed_steps": len(parts),
+        "host_ms_median": {k: 1e3 * statistics.median(p[k] for p in parts) for k in keys},
+        "host_ms_mean": {k: 1e3 * statistics.mean(p[k] for p in parts) for k in keys},
+    }
+    med = body["host_ms_median"]
+    print(
+        f"mask of {n_grammar} rows of {args.batch_size}, vocab {vocab}, {backend.fill_threads} "
+        f"fill threads, host ms/step (median): "
+        + ", ".join(f"{k} {med[k]:.3f}" for k in keys)
+        + f"; total {sum(med.values()):.3f}"
+    )
+    machine = host_info()
+    if args.device.startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    write_record("bench_grammar", sys.argv[1:], body, args.output_file, "grammar-mask", machine)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir or preset (default: tiny)")
@@ -268,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="xgrammar threads filling the bitmask (default: the engine's, half the cores, <= 8)",
     )
+    ap.add_argument(
+        "--mask-only", action="store_true", help="time the grammar mask alone, without a model"
+    )
+    ap.add_argument(
+        "--vocab-size", type=int, default=128_256, help="synthetic vocabulary (--mask-only)"
+    )
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument(
         "--output-file", default=None, help="record path (default: results/grammar-MODEL-DATE.json)"
@@ -277,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.mask_only:
+        mask_only(args)
+        return
     model = args.model
     if model is None:
         from engine.tiny import ensure_tiny_model

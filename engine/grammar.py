@@ -27,11 +27,13 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from engine.request import EngineRequestError
@@ -416,13 +418,23 @@ class GrammarStep:
 
 def apply_packed_bitmask(logits: torch.Tensor, packed: torch.Tensor, rows: int) -> None:
     """``apply_token_bitmask`` of a ``MaskBuffer``'s layout (``rows`` indices,
-    then their bitmask) on the logits' device: one kernel on CUDA."""
+    then their bitmask) on the logits' device: one kernel on CUDA, one bit
+    unpacking (numpy's) and a fill per row on the CPU."""
     if logits.is_cuda and _cuda_mask() is not None:
         _cuda_mask()(logits, packed, rows)
         return
-    words = -(-logits.shape[-1] // 32)
-    index = packed[:rows].long()
-    apply_token_bitmask(logits, packed[rows : rows * (1 + words)].view(rows, words), index)
+    vocab = logits.shape[-1]
+    words = -(-vocab // 32)
+    bitmask = packed[rows : rows * (1 + words)].view(rows, words)
+    if logits.device.type != "cpu" or sys.byteorder != "little":
+        apply_token_bitmask(logits, bitmask.to(logits.device), packed[:rows].long())
+        return
+    # Little-endian words: token t is bit t % 8 of byte t // 8.
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    forbidden = torch.from_numpy(bits[:, :vocab] == 0)
+    low = torch.finfo(logits.dtype).min
+    for k, row in enumerate(packed[:rows].tolist()):
+        logits[row].masked_fill_(forbidden[k], low)
 
 
 @functools.cache

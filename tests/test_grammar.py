@@ -333,16 +333,21 @@ def packed_case(
     return logits, bitmask, packed
 
 
-def test_packed_mask_matches_bits() -> None:
+def test_packed_mask_matches_xgrammar() -> None:
+    xgr = pytest.importorskip("xgrammar")
     rows = [4, 0, 2]
-    logits, bitmask, packed = packed_case(rows, 1000, 2)
-    ours = logits.clone()
-    apply_packed_bitmask(ours, packed, len(rows))
-    ref = logits.clone()
-    allowed = allowed_bits(bitmask, 1000)
-    for k, row in enumerate(rows):
-        ref[row, ~allowed[k]] = torch.finfo(ref.dtype).min
-    assert torch.equal(ours, ref)
+    vocab = 1000
+    logits, bitmask, packed = packed_case(rows, vocab, 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = logits.clone().to(dtype)
+        apply_packed_bitmask(ours, packed, len(rows))
+        ref = logits.clone()
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+        full[rows] = bitmask
+        xgr.apply_token_bitmask_inplace(ref, full, indices=rows, vocab_size=vocab)
+        assert torch.equal(torch.isinf(ref), ours == torch.finfo(dtype).min)
+        kept = ~torch.isinf(ref)
+        assert torch.equal(ours[kept], logits.to(dtype)[kept])
 
 
 def test_mask_kernel_interpreted() -> None:
