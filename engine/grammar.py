@@ -13,8 +13,11 @@
   with the logits once the forward is queued, so the host fills the bitmask
   while the device runs the forward; with the overlap loop, the in-flight
   step's tokens are read first (its copy to the host is already queued).
-- ``apply_token_bitmask``: the mask applied to the logits in tensor ops, the
-  same on every device.
+- ``MaskBuffer``: the pinned host memory a step's mask is filled into (row
+  indices and bitmask together) and its copy to the device.
+- ``apply_packed_bitmask``: that mask on the logits, in one kernel on CUDA
+  (``engine.grammar_triton``); ``apply_token_bitmask``: the same in tensor
+  ops, on any device (the reference).
 
 A grammar ends with one of the model's end-of-sequence tokens (the matcher's
 stop tokens), which the scheduler already ends a request on ("stop").
@@ -202,17 +205,13 @@ class GrammarBackend:
         return RequestGrammar(matcher)
 
     def accept(self, grammars: list[RequestGrammar], owed: list[list[int]]) -> None:
-        """Give each grammar its owed tokens, in order: one call into xgrammar
-        per round of at most one token a matcher (one round in a decode step;
-        more where a token is replayed)."""
-        todo = [(g, toks) for g, toks in zip(grammars, owed) if toks]
-        for k in range(max((len(t) for _, t in todo), default=0)):
-            now = [(g, t[k]) for g, t in todo if k < len(t)]
-            fits = self._xgr.BatchGrammarMatcher.batch_accept_token(
-                [g.matcher for g, _ in now], [t for _, t in now]
-            )
-            for (g, tok), ok in zip(now, fits):
-                g.accepted(ok, tok)
+        """Give each grammar its owed tokens, in order. One call per token:
+        xgrammar's batched accept is no faster (it advances the matchers one
+        after the other) and may let go of the GIL between them, where a
+        thread that takes it holds the loop up for a switch interval."""
+        for g, toks in zip(grammars, owed):
+            for tok in toks:
+                g.accepted(g.matcher.accept_token(tok), tok)
 
     def fill(self, grammars: list[RequestGrammar], bitmask: torch.Tensor) -> None:
         """Row ``k`` of ``bitmask`` ([len(grammars), ceil(V / 32)] int32 on the
@@ -339,8 +338,8 @@ class MaskBuffer:
 class GrammarStep:
     """The logits mask of one batch: rows ``rows`` of its sampled requests have
     grammars. Called (by the sampler) with the logits of the batch, once their
-    forward is queued: the host accepts the tokens and fills the bitmask (both
-    in one call into xgrammar for all rows) while the device runs it."""
+    forward is queued: the host accepts the tokens and fills the bitmask of
+    all rows in one call into xgrammar while the device runs it."""
 
     def __init__(
         self,
