@@ -14,7 +14,9 @@ import triton.language as tl
 BLOCK = 4096
 
 
-@triton.jit
+# The number of rows changes from step to step: specialising on it (1, a
+# multiple of 16, other) would compile the kernel again mid-serving.
+@triton.jit(do_not_specialize=["num_rows"])
 def _mask_kernel(logits_ptr, stride, packed_ptr, num_rows, words, vocab, low, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

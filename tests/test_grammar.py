@@ -395,11 +395,15 @@ def test_mask_buffer_alternates_and_grows() -> None:
 def test_packed_mask_on_cuda_matches_cpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    rows = list(range(0, 64, 2))
-    logits, _, packed = packed_case(rows, 128_256, 4)
-    cpu = logits.clone()
-    apply_packed_bitmask(cpu, packed, len(rows))
-    for dtype in (torch.float32, torch.bfloat16):
+    for rows, dtype in [
+        (list(range(0, 64, 2)), torch.float32),
+        (list(range(0, 64, 2)), torch.bfloat16),
+        ([7], torch.float32),
+        ([3, 0, 5, 9, 1], torch.float32),
+    ]:
+        logits, _, packed = packed_case(rows, 128_256, len(rows))
+        cpu = logits.clone()
+        apply_packed_bitmask(cpu, packed, len(rows))
         gpu = logits.to("cuda", dtype)
         buf = MaskBuffer(words=-(-128_256 // 32))
         slot, host = buf.take(len(rows), pinned=True)
