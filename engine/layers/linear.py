@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from engine.layers.gemv import linear, silu_mul_linear
 
 
 class MergedLinear(nn.Module):
@@ -30,4 +33,18 @@ class MergedLinear(nn.Module):
         raise KeyError(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose one-row CUDA inputs take the GEMV kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def silu_mul_forward(
+        self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``self(silu_and_mul(gate_up))``, fused where the GEMV kernel applies."""
+        assert self.bias is None
+        return silu_mul_linear(gate_up, self.weight, silu_and_mul)

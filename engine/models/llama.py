@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from engine.attention.base import AttentionBackend
+from engine.layers.gemv import linear
 from engine.layers.kernels import LayerKernels, RotaryInput
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -62,7 +62,7 @@ class MLP(nn.Module):
         self.down_proj = tp_layers.down_proj(cfg, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.silu_mul_forward(self.gate_up_proj(x), self.kernels.silu_and_mul)
 
 
 class DecoderLayer(nn.Module):
@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head_weight)
+        logits = linear(hidden, self.lm_head_weight)
         if self.tp is not None:  # this rank's vocab columns: gather all of them
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()

@@ -16,11 +16,14 @@ checkpoint tensor through ``select_shard(param, shard, tensor)``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.layers.linear import MergedLinear
+from engine.layers.gemv import linear, silu_mul_linear
+from engine.layers.linear import Linear, MergedLinear
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 
@@ -51,7 +54,13 @@ class RowParallelLinear(nn.Module):
         return tensor[:, self.cols[0] : self.cols[1]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight))
+
+    def silu_mul_forward(
+        self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``self(silu_and_mul(gate_up))``, fused where the GEMV kernel applies."""
+        return self.tp.all_reduce(silu_mul_linear(gate_up, self.weight, silu_and_mul))
 
 
 class VocabRows(nn.Module):
@@ -101,7 +110,7 @@ def qkv_proj(cfg: ModelConfig, tp: TPGroup | None) -> MergedLinear:
 
 def o_proj(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
     if tp is None:
-        return nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        return Linear(cfg.q_size, cfg.hidden_size, bias=False)
     q0, q1 = tp.shard.even(cfg.num_heads)
     return RowParallelLinear((q0 * cfg.head_dim, q1 * cfg.head_dim), cfg.hidden_size, tp)
 
@@ -116,7 +125,7 @@ def gate_up_proj(cfg: ModelConfig, tp: TPGroup | None) -> MergedLinear:
 
 def down_proj(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
     if tp is None:
-        return nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        return Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
     return RowParallelLinear(tp.shard.even(cfg.intermediate_size), cfg.hidden_size, tp)
 
 
@@ -128,5 +137,5 @@ def embedding(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
 
 def lm_head(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
     if tp is None:
-        return nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        return Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     return VocabRows(cfg.vocab_size, cfg.hidden_size, tp)
