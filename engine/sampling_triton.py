@@ -225,7 +225,7 @@ def _stats_kernel(
         offs = split * CHUNK + start + tl.arange(0, BLOCK)
         inside = offs < vocab
         x, y = _load_y(x_ptr, row, stride, offs, inside, t)
-        _, ax = _argmax_tile(mx, ax, x, offs, vocab)
+        _unused1, ax = _argmax_tile(mx, ax, x, offs, vocab)
         mx, sx = _online_lse(mx, sx, x)
         if SCALED:
             my, sy = _online_lse(my, sy, y)
@@ -271,7 +271,7 @@ def _pivot_kernel(
         for start in range(0, CHUNK, BLOCK):
             offs = split * CHUNK + start + tl.arange(0, BLOCK)
             inside = offs < vocab
-            _, y = _load_y(x_ptr, row, stride, offs, inside, t)
+            _unused2, y = _load_y(x_ptr, row, stride, offs, inside, t)
             above = inside[:, None] & (y[:, None] >= piv[None, :])
             cnt += tl.sum(above.to(tl.int32), axis=0)
             if MASS:
@@ -336,7 +336,7 @@ def _compact_kernel(
             for start in range(0, CHUNK, BLOCK):
                 offs = split * CHUNK + start + tl.arange(0, BLOCK)
                 inside = offs < vocab
-                _, y = _load_y(x_ptr, row, stride, offs, inside, t)
+                _unused3, y = _load_y(x_ptr, row, stride, offs, inside, t)
                 keep = inside & (y >= cut)
                 pos = before + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 tl.store(cy_ptr + row * CAP + pos, y, mask=keep)
@@ -428,7 +428,7 @@ def _measure(x_ptr, stride, vocab, row, t, lse, piv, MASS: tl.constexpr, P: tl.c
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < vocab
-        _, y = _load_y(x_ptr, row, stride, offs, inside, t)
+        _unused4, y = _load_y(x_ptr, row, stride, offs, inside, t)
         w = tl.where(inside, tl.exp(y - lse), 0.0) if MASS else inside.to(tl.float32)
         above = _sortable(y)[:, None] >= piv[None, :]
         acc += tl.sum(tl.where(above, w[:, None], 0.0), axis=0).to(tl.float64)
@@ -469,7 +469,7 @@ def _search_kernel(
     k-th value, plus as many copies of it as fill k)."""
     row = tl.program_id(0)
     if tl.load(mode_ptr + row) == M_SEARCH:
-        _, t = _temperature(temp_ptr, row)
+        _unused5, t = _temperature(temp_ptr, row)
         k, top_p, min_p, has_k, has_p, has_m = _filters(vocab, topk_ptr, topp_ptr, minp_ptr, row)
         my = tl.load(rs_ptr + 2 * row)
         lse = tl.load(rs_ptr + 2 * row + 1)
@@ -508,7 +508,7 @@ def _draw_kernel(
     if tl.load(mode_ptr + row) == M_WHOLE_ROW:
         split = tl.program_id(1)
         nsplit = tl.num_programs(1)
-        _, t = _temperature(temp_ptr, row)
+        _unused6, t = _temperature(temp_ptr, row)
         thr = tl.load(thr_ptr + row)
         key = _row_key(seed_ptr, step_ptr, row)
         best = tl.full((), float("-inf"), tl.float32)
@@ -516,7 +516,7 @@ def _draw_kernel(
         for start in range(0, CHUNK, BLOCK):
             offs = split * CHUNK + start + tl.arange(0, BLOCK)
             inside = offs < vocab
-            _, y = _load_y(x_ptr, row, stride, offs, inside, t)
+            _unused7, y = _load_y(x_ptr, row, stride, offs, inside, t)
             score = tl.where(inside & (y >= thr), y + _gumbel(key, offs), float("-inf"))
             best, best_idx = _argmax_tile(best, best_idx, score, offs, vocab)
         slot = row * nsplit + split
@@ -532,8 +532,8 @@ def _finish_kernel(
     """Each row's token (argmax, candidates' draw or the splits' best draw) and
     its logprob under the raw logits."""
     row = tl.program_id(0)
-    _, greedy_id = _split_argmax(pf_ptr, pi_ptr, row, rows, nsplit, 0, 0, SP)
-    _, lse = _split_stats(pf_ptr, row, rows, nsplit, 0, 1, SP)
+    _unused8, greedy_id = _split_argmax(pf_ptr, pi_ptr, row, rows, nsplit, 0, 0, SP)
+    _unused9, lse = _split_stats(pf_ptr, row, rows, nsplit, 0, 1, SP)
     token = greedy_id
     if SCALED:
         greedy, _ = _temperature(temp_ptr, row)
