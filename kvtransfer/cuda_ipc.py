@@ -37,6 +37,9 @@ WORD = 8
 CHUNK_WORDS = 8192
 """Words per program (64 KiB): large enough to stream, small enough that a
 few pages give every SM work."""
+PIECE_CHUNKS = 32
+PIECE_WORDS = PIECE_CHUNKS * CHUNK_WORDS
+"""A range is cut into pieces of 2 MiB, one table row each."""
 
 
 class IpcExport(msgspec.Struct, frozen=True):
@@ -159,17 +162,20 @@ def aligned(ranges: list[ByteRange]) -> bool:
 
 
 def chunk_table(ranges: list[ByteRange]) -> np.ndarray:
-    """[3, chunks] int64: source word, destination word and length in words of
-    every chunk of at most ``CHUNK_WORDS`` of the ``WORD``-aligned ranges."""
+    """[3, pieces] int64: source word, destination word and length in words of
+    every piece of at most ``PIECE_WORDS`` of the ``WORD``-aligned ranges (the
+    kernel gives each piece ``PIECE_CHUNKS`` programs of ``CHUNK_WORDS``)."""
     r = np.asarray(ranges, dtype=np.int64).reshape(-1, 3) // WORD
-    counts = -(-r[:, 2] // CHUNK_WORDS)
+    r = r[r[:, 2] > 0]
+    counts = -(-r[:, 2] // PIECE_WORDS)
+    if (counts == 1).all():
+        return np.ascontiguousarray(r.T)
     first = np.repeat(np.cumsum(counts) - counts, counts)
-    k = np.arange(int(counts.sum()), dtype=np.int64) - first
-    step = k * CHUNK_WORDS
-    out = np.empty((3, k.size), dtype=np.int64)
+    step = (np.arange(int(counts.sum()), dtype=np.int64) - first) * PIECE_WORDS
+    out = np.empty((3, step.size), dtype=np.int64)
     out[0] = np.repeat(r[:, 0], counts) + step
     out[1] = np.repeat(r[:, 1], counts) + step
-    out[2] = np.minimum(np.repeat(r[:, 2], counts) - step, CHUNK_WORDS)
+    out[2] = np.minimum(np.repeat(r[:, 2], counts) - step, PIECE_WORDS)
     return out
 
 
@@ -179,49 +185,69 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def copy_chunks(src, dst, table, chunks, BLOCK: tl.constexpr):
+    def copy_pieces(src, dst, table, pieces, BLOCK: tl.constexpr):
         i = tl.program_id(0)
-        s = tl.load(table + i)
-        d = tl.load(table + chunks + i)
-        n = tl.load(table + 2 * chunks + i)
-        offs = tl.arange(0, BLOCK)
-        keep = offs < n
-        tl.store(dst + d + offs, tl.load(src + s + offs, mask=keep), mask=keep)
+        start = tl.program_id(1) * BLOCK
+        n = tl.load(table + 2 * pieces + i) - start
+        if n > 0:
+            s = tl.load(table + i) + start
+            d = tl.load(table + pieces + i) + start
+            offs = tl.arange(0, BLOCK)
+            keep = offs < n
+            tl.store(dst + d + offs, tl.load(src + s + offs, mask=keep), mask=keep)
 
-    return copy_chunks
+    return copy_pieces
 
 
 def copy_ranges(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:
-    """Copy the chunks of ``table`` (``chunk_table``, on the device) from the
+    """Copy the pieces of ``table`` (``chunk_table``, on the device) from the
     flat uint8 ``src`` into the flat uint8 ``dst`` on the current stream."""
-    chunks = table.shape[1]
-    if chunks == 0:
+    pieces = table.shape[1]
+    if pieces == 0:
         return
-    _kernel()[(chunks,)](
-        src.view(torch.int64), dst.view(torch.int64), table, chunks, BLOCK=CHUNK_WORDS, num_warps=8
+    _kernel()[(pieces, PIECE_CHUNKS)](
+        src.view(torch.int64), dst.view(torch.int64), table, pieces, BLOCK=CHUNK_WORDS, num_warps=8
     )
 
 
 class IpcWriter:
     """Writes into opened peer buffers from a side stream: each write waits for
     what the caller's stream has queued so far (the KV it copies was computed
-    there), runs while that stream goes on, and ends with an event to poll."""
+    there), runs while that stream goes on, and ends with an event to poll.
+
+    The piece tables go up from pinned buffers that are kept and reused once
+    the copy that read one has ended (pinning memory per write cost more than
+    the copy of a few hundred pages)."""
 
     def __init__(self, local: torch.Tensor) -> None:
         self.local = local.view(-1).view(torch.uint8)
         self.device = local.device
         self.stream = torch.cuda.Stream(self.device)
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+
+    def _pinned(self, words: int) -> int:
+        """Index of a free pinned buffer of at least ``words`` int64."""
+        for i, (buf, used) in enumerate(self._staging):
+            if buf.numel() >= words and (used is None or used.query()):
+                return i
+        size = max(1024, 1 << (words - 1).bit_length())
+        self._staging.append((torch.empty(size, dtype=torch.int64).pin_memory(), None))
+        return len(self._staging) - 1
 
     def start(self, peer: torch.Tensor, ranges: list[ByteRange]) -> tuple[torch.cuda.Event, Any]:
         """Queue the copy of ``ranges``; returns its completion event and what
-        must stay alive until then (the chunk table)."""
-        table_host = torch.from_numpy(chunk_table(ranges)).pin_memory()
+        must stay alive until then (the piece table on the device)."""
+        table = chunk_table(ranges)
+        i = self._pinned(table.size)
+        buf = self._staging[i][0]
+        buf.numpy()[: table.size] = table.reshape(-1)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            table = table_host.to(self.device, non_blocking=True)
-            copy_ranges(self.local, peer, table)
+            dev = buf[: table.size].to(self.device, non_blocking=True).view(3, -1)
+            copy_ranges(self.local, peer, dev)
             done.record(self.stream)
-        return done, (table_host, table)
+        self._staging[i] = (buf, done)
+        return done, dev
