@@ -16,11 +16,12 @@ from engine.layers import gemv
 
 
 def test_tiles_fit_the_shapes_or_refuse() -> None:
-    assert gemv.tiles(6144, 4096) == gemv.Tiles(4, 1024, 4, 4)
+    assert gemv.tiles(6144, 4096) == gemv.Tiles(1, 2048, 8, 4)
+    assert gemv.tiles(28672, 4096) == gemv.Tiles(4, 1024, 4, 4)
     assert gemv.tiles(128256, 4096) == gemv.Tiles(16, 256, 4, 4)
     assert gemv.tiles(4096, 14336).block_k == 1024
     assert gemv.tiles(64, 192) is None  # no K tile of >= 128 divides 192
-    assert gemv.tiles(6, 1024) is None  # rows not a multiple of the row tile
+    assert gemv.tiles(30001, 8192) is None  # rows not a multiple of the row tile
 
 
 def test_cpu_inputs_keep_f_linear() -> None:

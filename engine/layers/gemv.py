@@ -33,14 +33,20 @@ class Tiles(NamedTuple):
 
 def tiles(n: int, k: int) -> Tiles | None:
     """The measured tiles for an ``[n, k]`` weight, or None where they do not fit."""
-    # Measured on an H200 over Llama-3.1-8B's shapes: few rows per program, a
-    # long K tile; the 128k-row LM head prefers wider, shorter tiles.
-    block_n, block_k = (16, 256) if n >= 65536 else (4, 1024)
+    # Measured on an H200 over Llama-3.1-8B's shapes: few rows per program and
+    # a long K tile (one row of 2048 for the smaller QKV and o matrices); the
+    # 128k-row LM head prefers wider, shorter tiles.
+    if n >= 65536:
+        block_n, block_k, warps = 16, 256, 4
+    elif n * k <= 8192 * 4096:
+        block_n, block_k, warps = 1, 2048, 8
+    else:
+        block_n, block_k, warps = 4, 1024, 4
     while block_k > 128 and k % block_k:
         block_k //= 2
     if n % block_n or k % block_k:
         return None
-    return Tiles(block_n, block_k, 4, 4)
+    return Tiles(block_n, block_k, warps, 4)
 
 
 @cache
