@@ -79,6 +79,8 @@ def _serve(state: dict[str, Any], cmd: str, *args: Any) -> Any:
     if cmd == "connect":
         be.connect(*args)
         return be.route(args[0]) if hasattr(be, "route") else None
+    if cmd == "path":
+        return be.path(*args) if hasattr(be, "path") else be.name
     if cmd == "run":
         peer, ranges, warmup, iters, poll_s = args
         times = []
@@ -178,7 +180,7 @@ def bench_backend(
     try:
         src.call("setup", backend, "bench-src", kwargs, cfg(args.src_device), 1)
         dst_md = dst.call("setup", backend, "bench-dst", kwargs, cfg(args.dst_device), 2)
-        path = src.call("connect", "bench-dst", dst_md) or backend
+        src.call("connect", "bench-dst", dst_md)
         page_bytes = cfg("cpu").page_bytes
         idle = {}
         if args.idle_s > 0:  # both agents set up and connected, no transfer yet
@@ -188,6 +190,7 @@ def bench_backend(
         for layout in layouts:
             src_pages, dst_pages = page_map(layout, n, args.seed)
             ranges = page_ranges(src_pages, dst_pages, page_bytes)
+            path = src.call("path", "bench-dst", ranges)
             nbytes = n * page_bytes
             times = src.call(
                 "run", "bench-dst", ranges, args.warmup, args.iters, args.poll_interval_us * 1e-6

@@ -232,8 +232,14 @@ class NixlBackend(TransferBackend):
                 gone.append(peer)
         return gone
 
+    def path(self, peer: str, ranges: list[ByteRange]) -> str:
+        """How a write of ``ranges`` to ``peer`` travels: "cuda_ipc" or "ucx"."""
+        ok = peer in self._ipc_peers and cuda_ipc.pays(ranges) and cuda_ipc.aligned(ranges)
+        return "cuda_ipc" if ok else "ucx"
+
     def route(self, peer: str) -> str:
-        """How writes to ``peer`` travel: "cuda_ipc" or "ucx"."""
+        """How writes to ``peer`` may travel: "cuda_ipc" (many small ranges go
+        through the copy kernel, few large ones through UCX) or "ucx"."""
         return "cuda_ipc" if peer in self._ipc_peers else "ucx"
 
     def write(self, peer: str, ranges: Sequence[ByteRange]) -> int:
@@ -260,7 +266,7 @@ class NixlBackend(TransferBackend):
             self._fail(xfer, f"write to {peer!r} refused: {error}")
             return handle
         peer_buf = self._ipc_peers.get(peer)
-        if peer_buf is not None and cuda_ipc.aligned(ranges):
+        if peer_buf is not None and self.path(peer, ranges) == "cuda_ipc":
             assert self._ipc_writer is not None
             try:
                 xfer.done, table = self._ipc_writer.start(peer_buf, ranges)

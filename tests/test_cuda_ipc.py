@@ -28,13 +28,14 @@ W = cuda_ipc.WORD
 
 
 def random_ranges(rng: random.Random, size: int, n: int) -> list[ByteRange]:
-    """``n`` word-aligned ranges whose destinations do not overlap."""
-    cuts = sorted(rng.sample(range(1, size // W), 2 * n))
+    """``n`` aligned ranges whose destinations do not overlap."""
+    a_ = cuda_ipc.ALIGN
+    cuts = sorted(rng.sample(range(1, size // a_), 2 * n))
     out = []
     for a, b in zip(cuts[::2], cuts[1::2]):
-        nbytes = (b - a) * W
-        src = rng.randrange(0, size - nbytes + 1) // W * W
-        out.append(ByteRange(src, a * W, nbytes))
+        nbytes = (b - a) * a_
+        src = rng.randrange(0, size - nbytes + 1) // a_ * a_
+        out.append(ByteRange(src, a * a_, nbytes))
     return out
 
 
@@ -58,10 +59,16 @@ def test_chunk_table_covers_every_word_once() -> None:
     assert cuda_ipc.chunk_table(small).tolist() == [[1, 2, 3, 4], [2, 4, 6, 8], [1, 1, 1, 1]]
 
 
-def test_aligned() -> None:
-    assert cuda_ipc.aligned([ByteRange(0, 8, 16), ByteRange(24, 0, 8)])
-    assert not cuda_ipc.aligned([ByteRange(0, 8, 12)])
-    assert not cuda_ipc.aligned([ByteRange(4, 8, 16)])
+def test_aligned_and_pays() -> None:
+    assert cuda_ipc.aligned([ByteRange(0, 16, 32), ByteRange(48, 0, 16)])
+    assert not cuda_ipc.aligned([ByteRange(0, 16, 24)])
+    assert not cuda_ipc.aligned([ByteRange(8, 16, 16)])
+    page = 2 << 20
+    scattered = [ByteRange(i * page, 2 * i * page, page) for i in range(cuda_ipc.MIN_RANGES)]
+    assert cuda_ipc.pays(scattered)
+    assert not cuda_ipc.pays(scattered[:-1])  # few descriptors: UCX
+    assert not cuda_ipc.pays([ByteRange(0, 0, 512 << 20)])  # one large range: UCX
+    assert not cuda_ipc.pays([ByteRange(0, 0, 64 << 20)] * cuda_ipc.MIN_RANGES)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checked on the device itself")
@@ -194,6 +201,8 @@ def _handle(state: dict[str, Any], cmd: str, *args: Any) -> Any:
         return state["kv"].cpu()
     if cmd == "prune":
         return be.prune()
+    if cmd == "path":
+        return be.path(*args)
     if cmd == "cuda_ok":
         x = torch.ones(1024, device="cuda")
         return float((x * 2).sum().item())
@@ -238,7 +247,11 @@ def test_scattered_pages_land_on_one_gpu(agents: Any, use_ipc: bool) -> None:
     src_pages = rng.sample(range(1, NUM_PAGES), 40)
     dst_pages = rng.sample(range(1, NUM_PAGES), 40)
     before = dst.call("dump")
-    assert src.call("write", "d-agent", page_ranges(src_pages, dst_pages, PAGE_BYTES)) == "done"
+    ranges = page_ranges(src_pages, dst_pages, PAGE_BYTES)
+    assert src.call("path", "d-agent", ranges) == ("cuda_ipc" if use_ipc else "ucx")
+    assert src.call("write", "d-agent", ranges) == "done"
+    # Few large ranges go through UCX even where the kernel could take them.
+    assert src.call("path", "d-agent", [ByteRange(PAGE_BYTES, PAGE_BYTES, 8 * PAGE_BYTES)]) == "ucx"
     src_kv, dst_kv = src.call("dump"), dst.call("dump")
     expect = before.clone()
     expect[dst_pages] = src_kv[src_pages]
