@@ -32,7 +32,9 @@ stream ended by an internal error, on a valid request); failover (seconds
 from the fault to the first token of the first request sent after it that
 completed: served by another worker); recovery (seconds from the restarted,
 resumed or re-added worker answering /health to its first transferred
-request). It exits non-zero on any wrong, hung, leaked or 5xx (and on a
+request); share_after (that worker's share of its role's transfers in the
+after-phase that follows: about 1/N for N workers of the role when routing
+gives it its share). It exits non-zero on any wrong, hung, leaked or 5xx (and on a
 malformed request that got no 4xx, a 429 without Retry-After, or a scenario
 where nothing completed).
 
@@ -383,6 +385,9 @@ class Result:
     """Malformed requests that got no 4xx (nor a 5xx)."""
     failover_s: float | None = None
     recovery_s: float | None = None
+    share_after: float | None = None
+    """The restarted (resumed, re-added) worker's share of its role's
+    transfers during the after-phase: ~1/N when routing gives it its share."""
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)
@@ -564,7 +569,13 @@ class Matrix:
             result.recovery_s = round(time.monotonic() - t, 2)
         else:
             result.notes.append(f"{w.name} got no traffic within {limit:g}s of answering health")
+        peers = self.prefill if w in self.prefill else self.decode
+        before = await asyncio.to_thread(lambda: [p.stats()["transfers_ok"] for p in peers])
         await asyncio.sleep(self.cfg.after_s)
+        after = await asyncio.to_thread(lambda: [p.stats()["transfers_ok"] for p in peers])
+        moved = [a - b for a, b in zip(after, before)]
+        if sum(moved):
+            result.share_after = round(moved[peers.index(w)] / sum(moved), 2)
 
     async def _kv(self, command: str, hold_s: float) -> float:
         at = time.monotonic()
@@ -728,6 +739,7 @@ COLUMNS = (
     ("5xx", 4),
     ("failover_s", 10),
     ("recovery_s", 10),
+    ("share_after", 11),
 )
 
 
@@ -738,6 +750,8 @@ def _cell(r: Result, name: str) -> str:
         "leaked": r.leaked_pages + r.stuck,
         "5xx": r.server_errors,
     }.get(name, getattr(r, name, None))
+    if name == "share_after":
+        return "-" if value is None else f"{value:.2f}"
     if name in ("failover_s", "recovery_s"):
         if value is None:
             return "-"
