@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.host_copy import to_device
@@ -46,6 +48,12 @@ class ExtendSpec(NamedTuple):
     """"last" (sample from the last new token), "all" (tests) or "none"."""
 
 
+LONG_EXTEND = 32
+"""A request with more new tokens than this has its rows built by numpy (a
+prompt chunk of thousands of tokens); shorter ones, decode rows above all,
+by plain appends, which cost less for a token or two."""
+
+
 def build_forward_batch(
     specs: list[ExtendSpec], page_size: int, device: torch.device | str
 ) -> ForwardBatch:
@@ -62,10 +70,17 @@ def build_forward_batch(
         end = spec.start + n
         first_row = len(ids)
         ids.extend(spec.new_ids)
-        for p in range(spec.start, end):
-            positions.append(p)
-            write_pages.append(spec.page_table[p // page_size])
-            write_slots.append(p % page_size)
+        if n > LONG_EXTEND:
+            pos = np.arange(spec.start, end, dtype=np.int64)
+            positions.extend(range(spec.start, end))
+            table = np.asarray(spec.page_table[: -(-end // page_size)], dtype=np.int64)
+            write_pages.extend(table[pos // page_size].tolist())
+            write_slots.extend((pos % page_size).tolist())
+        else:
+            for p in range(spec.start, end):
+                positions.append(p)
+                write_pages.append(spec.page_table[p // page_size])
+                write_slots.append(p % page_size)
         if spec.logits == "all":
             logits_indices.extend(range(first_row, first_row + n))
         elif spec.logits == "last":
@@ -75,7 +90,9 @@ def build_forward_batch(
         tables.append(spec.page_table[: -(-end // page_size)])
 
     fields = [ids, positions, write_pages, write_slots, logits_indices]
-    flat = to_device(torch.tensor([v for f in fields for v in f], dtype=torch.int64), device)
+    total = sum(len(f) for f in fields)
+    flat_np = np.fromiter(itertools.chain.from_iterable(fields), dtype=np.int64, count=total)
+    flat = to_device(torch.from_numpy(flat_np), device)
     ids_t, pos_t, pages_t, slots_t, logits_t = flat.split([len(f) for f in fields])
     return ForwardBatch(
         input_ids=ids_t,
