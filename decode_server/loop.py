@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from decode_server.room import DecodeState, Room
 from engine.engine import InFlight
@@ -200,8 +201,8 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         # Overlap: step N+1 is scheduled and launched before step N's tokens
         # are read back and streamed.
         self.inflight, results = timed_overlap_step(self.engine, self.stages, self.inflight)
-        if not (had_events or results or self.outbox or self.inflight):
-            idle_wait()
+        if not (had_events or results or self.outbox or self.inflight) and self.busy():
+            idle_wait()  # e.g. requests queued for pages: nothing to wait on but time
         for r in results:
             delta = step_delta(r)
             if r.finish_reason is None:
@@ -272,6 +273,20 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         return bool(
             self.rooms or self.outbox or self.inflight is not None or self.scheduler.has_work()
         )
+
+    def busy(self) -> bool:
+        # Rooms waiting for their KV wait for the KV plane's sockets (Done,
+        # RoomFailed, a dropped peer's monitor event).
+        return bool(
+            self.outbox
+            or self.inflight is not None
+            or self.scheduler.has_work()
+            or self.prealloc
+            or self.kv.has_pending()
+        )
+
+    def wait_sockets(self) -> list[Any]:
+        return self.kv.sockets()
 
     def _room_stats(self) -> dict[str, int]:
         return {

@@ -154,6 +154,17 @@ class DecodeKVPlane:
                 )
         return events
 
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets whose messages ``poll`` reads (each peer's connection
+        and its monitor)."""
+        return [s for peer in self._peers.values() for s in (peer.sock, peer.monitor)]
+
+    def has_pending(self) -> bool:
+        """True when ``poll`` has something to report now."""
+        return bool(self._failed) or any(
+            s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in self.sockets()
+        )
+
     @staticmethod
     def _disconnected(peer: _Peer) -> bool:
         dropped = False

@@ -111,6 +111,10 @@ class PrefillKVPlane:
             else:
                 log.warning("dropping %s from a peer without a handshake", type(msg).__name__)
 
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets whose messages ``poll`` reads."""
+        return [self._sock]
+
     def has_pending(self) -> bool:
         """True when a KV-plane message waits to be handled by ``poll``."""
         return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from engine.request import EngineRequestError
 from engine.scheduler import ScheduledBatch
@@ -208,9 +209,12 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
         if batch is not None:
             self._run(batch)
         self._end_rooms()
-        if batch is None and not events and not self.outbox:
-            idle_wait()
+        if batch is None and not events and not self.outbox and self._writing():
+            idle_wait()  # only a backend's writes to poll: no socket to wait on
         return self.outbox.take()
+
+    def _writing(self) -> bool:
+        return any(room.handles for room in self.rooms)
 
     def _fail_rejected(self) -> None:
         # Rooms waiting for a decode engine whose handshake was just refused
@@ -345,6 +349,20 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             or self.scheduler.has_work()
             or self.kv.has_pending()
         )
+
+    def busy(self) -> bool:
+        # Rooms awaiting their reservation wait for the KV plane's socket;
+        # rooms with writes in flight must be polled.
+        return bool(
+            self.outbox
+            or self.scheduler.has_work()
+            or self.unclaimed.needs_steps()
+            or self.kv.has_pending()
+            or self._writing()
+        )
+
+    def wait_sockets(self) -> list[Any]:
+        return self.kv.sockets()
 
     def _room_stats(self) -> dict[str, int]:
         return {"rooms": len(self.rooms)}

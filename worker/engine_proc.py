@@ -252,8 +252,19 @@ class EngineServer:
         poller.register(self.ctrl, zmq.POLLIN)
         parent = multiprocessing.parent_process()
         next_housekeeping = time.monotonic() + HOUSEKEEPING_S
+        waited: tuple[zmq.Socket, ...] = ()
         while not self._stop:
-            events = dict(poller.poll(0 if self.loop.has_work() else IDLE_POLL_MS))
+            # The loop's own sockets (its KV plane) are polled here too: a loop
+            # that only waits for a message sleeps until it comes, not for a
+            # fixed pause (a Reserve or Done is handled within microseconds).
+            wait = tuple(self.loop.wait_sockets())
+            if wait != waited:
+                for sock in waited:
+                    poller.unregister(sock)
+                for sock in wait:
+                    poller.register(sock, zmq.POLLIN)
+                waited = wait
+            events = dict(poller.poll(0 if self.loop.busy() else IDLE_POLL_MS))
             # What was on the socket until now is read below: silence is
             # measured up to here, not across a long step that follows.
             self._polled_at = time.monotonic()

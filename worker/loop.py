@@ -70,6 +70,17 @@ class WorkerLoop(ABC):
     def has_work(self) -> bool:
         """True while ``step`` would run a forward or return deltas."""
 
+    def busy(self) -> bool:
+        """True while ``step`` must run again at once; False when the work
+        left only waits for a message on the request plane or on one of
+        ``wait_sockets`` (the engine process then blocks on them)."""
+        return self.has_work()
+
+    def wait_sockets(self) -> list[Any]:
+        """ZMQ sockets whose messages the loop waits for while it is not
+        ``busy`` (its KV plane): the engine process polls them with its own."""
+        return []
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Numbers for /server_info and /metrics. Must include ``free_pages``
