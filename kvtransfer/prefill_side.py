@@ -34,6 +34,8 @@ class RankWriters(Protocol):
 
     def poll(self, handle: int) -> TransferState: ...
 
+    def prune(self) -> None: ...
+
 
 class _Route(NamedTuple):
     """How KV reaches one decode engine: the head slices each prefill rank
@@ -92,6 +94,8 @@ class PrefillKVPlane:
             # needs that memory back before it can start.
             self._next_prune = now + PRUNE_INTERVAL_S
             self.backend.prune()
+            if self.ranks is not None:
+                self.ranks.prune()
         while True:
             try:
                 ident, payload = self._sock.recv_multipart(zmq.NOBLOCK)

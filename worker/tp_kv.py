@@ -53,6 +53,12 @@ class RankAgents:
         self.runner.post(rank, _write, handle, peer, ranges)
         return handle
 
+    def prune(self) -> None:
+        """Each rank's agent forgets the peers known to have exited (and lets
+        go of what it holds of them: a mapped pool)."""
+        for rank in range(1, self.size):
+            self.runner.post(rank, _prune)
+
     def poll(self, handle: int) -> TransferState:
         """The state of a write; a DONE or FAILED handle is released by this call."""
         if handle in self._pending:
@@ -107,6 +113,12 @@ def _open(
 
 def _connect(ctx: RankContext, peer: str, metadata: bytes) -> None:
     _agent(ctx).backend.connect(peer, metadata)
+
+
+def _prune(ctx: RankContext) -> None:
+    agent = ctx.state.get(_STATE)
+    if agent is not None:
+        agent.backend.prune()
 
 
 def _write(ctx: RankContext, handle: int, peer: str, ranges: list[ByteRange]) -> None:
