@@ -107,6 +107,12 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             len(room.req.prompt_ids),
             room.decode,
         )
+        if self.kv.is_connected(room.decode):
+            # A decode engine we already shook hands with: compute at once,
+            # push once the reservation is in (its round trip overlaps the
+            # compute). A new peer's handshake may still refuse it, and the
+            # requester must then get that refusal, not a first token.
+            self._schedule(room)
         held = self.unclaimed.claim(room.id)
         if held is not None:
             self._on_reserve(held.decode, held.msg)
@@ -139,9 +145,19 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
         room.reserve = msg
         room.sent_upto = msg.decode_prefix_len
         room.deadline = time.monotonic() + self.config.transfer_timeout_s
-        room.move(PrefillState.COMPUTING)
-        self.scheduler.add(room.req)
         self.stages.mark(room.req.rid, RESERVE_RECEIVED)
+        if not room.scheduled:
+            self._schedule(room)
+        computed = room.first is not None
+        room.move(PrefillState.SETTLING if computed else PrefillState.COMPUTING)
+        # What was computed while the reservation was on its way goes now.
+        self._push(room)
+        if computed:
+            self.stages.mark(room.req.rid, LAST_CHUNK_PUSHED)
+
+    def _schedule(self, room: Room) -> None:
+        room.scheduled = True
+        self.scheduler.add(room.req)
         self.stages.mark(room.req.rid, ADMITTED)
 
     def _fits(self, msg: to_prefill.Reserve, n_prompt: int) -> bool:
@@ -166,9 +182,11 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
         self.kv.send(decode, to_decode.AbortAck(msg.room))
 
     def _push(self, room: Room) -> None:
-        """Hand the backend every page touched since the last push."""
+        """Hand the backend every page touched since the last push (none
+        before the reservation: it says where they go)."""
         req, reserve = room.req, room.reserve
-        assert reserve is not None
+        if reserve is None:
+            return
         ps = self.engine.runner.pool.page_size
         upto = min(req.num_computed, len(req.prompt_ids))
         if upto <= room.sent_upto:
@@ -237,7 +255,9 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
             room = self._room_of(r.rid)
             room.first = FirstToken(r.token_id, r.logprob, r.finish_reason)
             room.computed_at = time.monotonic()
-            room.move(PrefillState.SETTLING)
+            if room.state is PrefillState.COMPUTING:
+                room.move(PrefillState.SETTLING)
+            # else still awaiting the reservation: it settles when that comes.
             self._reply(r.rid, step_delta(r))
         if results and self.deliver is not None:
             # The first tokens leave now, before the pushes below: the

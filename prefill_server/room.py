@@ -15,8 +15,10 @@ from kvtransfer import to_prefill
 
 class PrefillState(Enum):
     AWAITING_RESERVE = "awaiting_reserve"
-    """Admitted; no KV is computed until the decode worker's ``Reserve`` says
-    where it goes."""
+    """Nothing is pushed until the decode worker's ``Reserve`` says where the
+    KV goes. For a decode engine already handshaken the request computes
+    meanwhile (``Room.scheduled``; it may even have its first token out): the
+    reservation's round trip overlaps the compute."""
     COMPUTING = "computing"
     """Reserved: in the scheduler, each computed chunk pushed as it lands."""
     SETTLING = "settling"
@@ -34,7 +36,7 @@ class PrefillState(Enum):
 
 _MOVES: dict[PrefillState, frozenset[PrefillState]] = {
     PrefillState.AWAITING_RESERVE: frozenset(
-        {PrefillState.COMPUTING, PrefillState.FAILED, PrefillState.ABORTED}
+        {PrefillState.COMPUTING, PrefillState.SETTLING, PrefillState.FAILED, PrefillState.ABORTED}
     ),
     PrefillState.COMPUTING: frozenset(
         {PrefillState.SETTLING, PrefillState.FAILED, PrefillState.ABORTED}
@@ -69,6 +71,8 @@ class Room:
     """Awaiting reserve: when to give up on it. Later: when the reservation
     came, plus the transfer timeout; writes get one more timeout after that."""
     state: PrefillState = PrefillState.AWAITING_RESERVE
+    scheduled: bool = False
+    """Handed to the scheduler (before its reservation, for a known peer)."""
     reserve: to_prefill.Reserve | None = None
     sent_upto: int = 0
     """Prompt tokens whose KV has been handed to the backend."""

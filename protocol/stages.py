@@ -84,7 +84,9 @@ WORKER_INTERVALS: tuple[Interval, ...] = (
 """What a worker reports of its stages. ``wait_pages`` and ``kv_transfer`` are
 the decode side of a disaggregated request (``admit`` then spans both: the
 request reaches the scheduler once its KV is in); ``wait_reserve``,
-``kv_tail`` and ``send_done`` the prefill side; the rest every role."""
+``kv_tail`` and ``send_done`` the prefill side (the reservation overlaps the
+prefill's compute, so ``wait_reserve`` reaches the requester only when it
+ended before the first token); the rest every role."""
 
 
 class StageClock:

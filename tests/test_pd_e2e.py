@@ -463,8 +463,9 @@ def test_prefill_killed_mid_request(fresh_pair: Pair, expected: list[Any]) -> No
 
 def test_decode_killed_mid_request(fresh_pair: Pair, expected: list[Any]) -> None:
     """SIGKILL the decode worker with one room reserved (the prefill worker then
-    prefills into a dead peer) and one not yet reserved: the prefill worker fails
-    both rooms within the transfer timeout and its pool drains."""
+    prefills into a dead peer) and one not yet reserved (computed while its
+    reservation is awaited, which never comes): the prefill worker fails both
+    rooms within the transfer timeout and its pool drains."""
     p, d = fresh_pair.prefill, fresh_pair.decode
     prompt_a, prompt_b = random_prompt(30, seed=13), random_prompt(20, seed=14)
     before = p.stats()
@@ -504,9 +505,10 @@ def test_decode_killed_mid_request(fresh_pair: Pair, expected: list[Any]) -> Non
     assert isinstance(dres, WorkerDisconnected), dres
     # Room a had its reservation: the first token goes out, the transfer fails.
     assert final(pa).finish_reason == PREFILL_DONE, pa
-    # Room b never got one: an error after the transfer timeout.
-    last = final(pb)
-    assert last.finish_reason == "error" and "no KV reservation" in (last.error or ""), pb
+    # Room b never got one: computed all the same (its first token goes out
+    # at once; the decode side, here dead, would stream the rest), then failed
+    # at the reservation timeout.
+    assert final(pb).finish_reason == PREFILL_DONE, pb
     assert b_after < SHORT_TIMEOUT_S + SLACK_S, b_after
     # The pages under a write to the dead peer come back within the transfer
     # timeout (the backend's write timeout is the worker's transfer timeout).

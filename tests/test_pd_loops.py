@@ -289,6 +289,49 @@ def test_reserve_before_prefill(model_dir: str) -> None:
         d.close()
 
 
+def test_prefill_computes_while_its_reservation_is_on_the_way(model_dir: str) -> None:
+    """With the decode engine already handshaken, a Prefill computes at once;
+    its first token goes out before the Reserve comes, and the KV computed
+    meanwhile is pushed when it does. A new peer's first Prefill waits for the
+    handshake (and so for its Reserve) instead."""
+    prompt = list(range(10, 80))
+    spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = LLM(model_dir, page_size=4, num_pages=256).generate([prompt], spec)[0]
+    p = PrefillLoop(worker_config(model_dir, "prefill"))
+    d = DecodeLoop(worker_config(model_dir, "decode"))
+    p_start, d_start = p.stats(), d.stats()
+    try:
+        h = Harness(p, d)
+        # A new peer: the Prefill waits for the handshake and the reservation.
+        h.tokens["first"] = []
+        p.submit(Prefill("first", prompt[:20], spec, "room-first", d.bootstrap_endpoint), GW)
+        first_room = p.rooms.get("room-first")
+        assert first_room is not None and not first_room.scheduled
+        assert not p.scheduler.has_work()
+        d.submit(Generate("first", prompt[:20], spec, "room-first", p.bootstrap_endpoint), GW)
+        h.run()
+        assert p.kv.is_connected(d.bootstrap_endpoint)
+
+        h.tokens["r"] = []
+        p.submit(Prefill("r", prompt, spec, "room-r", d.bootstrap_endpoint), GW)
+        p_room = p.rooms.get("room-r")
+        assert p_room is not None and p_room.scheduled
+        h.step_until(lambda: "r" in h.p_final, deadline_s=30)  # prefill alone
+        assert p_room.state is PrefillState.AWAITING_RESERVE and p_room.first is not None
+        assert p_room.handles == [] and h.p_final["r"].finish_reason == PREFILL_DONE
+        d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
+        h.run()
+        assert h.tokens["r"] == expected.token_ids
+        assert h.finish["r"].finish_reason == "length"
+        assert p_room.state is PrefillState.DONE
+        assert p.stats()["transfers_ok"] == d.stats()["transfers_ok"] == 2
+        assert_pool_back(p, p_start, cached=True)
+        assert_pool_back(d, d_start, cached=True)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_abort_room_before_prefill(model_dir: str) -> None:
     """The decode worker aborts a room whose Prefill has not reached the
     prefill worker: the held reservation is void, and the late Prefill is
