@@ -1,0 +1,208 @@
+"""One-row products (batch-1 decode) on CUDA: cuBLAS against the GEMV kernels.
+
+    python benchmarks/bench_gemv.py --model llama-3.1-8b
+    python benchmarks/bench_gemv.py --model llama-3.1-8b --sweep     # search the tiles
+
+For each weight of the model's decoder layer (QKV, o, gate/up, down) and its
+LM head, a ``[1, K]`` bf16 input is multiplied by enough copies of a random
+``[N, K]`` weight that L2 holds none of them (as in a forward, where every
+layer's weights are new), inside a CUDA graph, timed with CUDA events:
+``F.linear`` (cuBLAS), ``engine.layers.gemv.linear`` with the tiles it picks,
+and for the down projection ``silu_mul_linear`` (SiLU-and-mul read inside the
+product) against the two steps. ``--sweep`` also times every tile of a grid and
+reports the fastest. Each kernel's result is checked against a float64
+product. Writes a JSON record to ``--output-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_commit, host_info  # noqa: E402
+from engine.layers import gemv  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.presets import PRESETS  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+L2_BYTES = 400e6
+"""Weights rotated per timed call: more than the H200's 50 MB L2, many times over."""
+
+
+def shapes(model: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each one-row product of ``model``'s decode step."""
+    mc = ModelConfig.from_dict(PRESETS[model])
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return {
+        "qkv": (q + 2 * kv, mc.hidden_size),
+        "o": (mc.hidden_size, q),
+        "gate_up": (2 * mc.intermediate_size, mc.hidden_size),
+        "down": (mc.hidden_size, mc.intermediate_size),
+        "lm_head": (mc.vocab_size, mc.hidden_size),
+    }
+
+
+def graph_us(calls: list[Callable[[], Any]], reps: int) -> float:
+    """Median GPU microseconds of one call, the calls replayed from a graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:  # compiles and warms up outside the graph
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).norm() / ref.norm())
+
+
+def bench_shape(name: str, n: int, k: int, args: argparse.Namespace) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    copies = max(2, int(L2_BYTES // (n * k * 2)))
+    ws = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        for _ in range(copies)
+    ]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = F.linear(x.double(), ws[0].double())
+    nbytes = n * k * 2
+    row: dict[str, Any] = {"name": name, "n": n, "k": k, "weight_bytes": nbytes}
+    row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws], args.reps)
+    tiles = gemv.tiles(n, k)
+    row["tiles"] = None if tiles is None else tiles._asdict()
+    if tiles is not None:
+        row["gemv_us"] = graph_us([lambda w=w: gemv.linear(x, w) for w in ws], args.reps)
+        row["gemv_rel_err"] = rel_err(gemv.linear(x, ws[0]), ref)
+    if name == "down":
+        gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        def act(t: torch.Tensor) -> torch.Tensor:
+            g, u = t.chunk(2, -1)
+            return F.silu(g) * u
+
+        row["silu_then_cublas_us"] = graph_us(
+            [lambda w=w: F.linear(act(gu), w) for w in ws], args.reps
+        )
+        if tiles is not None:
+            fused = [lambda w=w: gemv.silu_mul_linear(gu, w, act) for w in ws]
+            row["silu_gemv_us"] = graph_us(fused, args.reps)
+            row["silu_gemv_rel_err"] = rel_err(
+                gemv.silu_mul_linear(gu, ws[0], act), F.linear(act(gu).double(), ws[0].double())
+            )
+    if args.sweep:
+        best = None
+        for bn, bk, warps, stages in itertools.product(
+            args.block_n, args.block_k, args.warps, args.stages
+        ):
+            if n % bn or k % bk or bn * bk > 16384:
+                continue
+            t = gemv.Tiles(bn, bk, warps, stages)
+            us = graph_us([lambda w=w, t=t: gemv.run_gemv(x, w, None, t) for w in ws], args.reps)
+            if best is None or us < best[0]:
+                best = (us, t, rel_err(gemv.run_gemv(x, ws[0], None, t), ref))
+        if best is not None:
+            row["sweep_best"] = {"us": best[0], "tiles": best[1]._asdict(), "rel_err": best[2]}
+    for key in [k_ for k_ in row if k_.endswith("_us")]:
+        row[key.removesuffix("_us") + "_tbps"] = nbytes / row[key] / 1e6
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default="llama-3.1-8b",
+        help="preset whose shapes are timed",
+    )
+    p.add_argument("--reps", type=int, default=10, help="timed graph replays per case (default 10)")
+    p.add_argument("--sweep", action="store_true", help="also time every tile of the grid below")
+    p.add_argument(
+        "--block-n",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16],
+        help="sweep: weight rows per program",
+    )
+    p.add_argument(
+        "--block-k", type=int, nargs="+", default=[256, 512, 1024, 2048], help="sweep: K tile"
+    )
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="sweep: warps per program")
+    p.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="sweep: pipeline stages")
+    p.add_argument("--output-file", type=Path, help="JSON record (default: results dir)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemv needs a CUDA device")
+    rows = [bench_shape(name, n, k, args) for name, (n, k) in shapes(args.model).items()]
+    print(
+        f"{'weight':<8} {'N':>7} {'K':>6} {'cuBLAS us':>10} {'GEMV us':>9} {'TB/s':>6} {'err':>8}"
+    )
+    for r in rows:
+        g = r.get("gemv_us")
+        print(
+            f"{r['name']:<8} {r['n']:>7} {r['k']:>6} {r['cublas_us']:>10.1f} "
+            f"{'-' if g is None else f'{g:9.1f}':>9} {r.get('gemv_tbps', 0):>6.2f} "
+            f"{r.get('gemv_rel_err', float('nan')):>8.1e}"
+            + (
+                f"  sweep best {r['sweep_best']['us']:.1f} us {r['sweep_best']['tiles']}"
+                if "sweep_best" in r
+                else ""
+            )
+        )
+        if "silu_gemv_us" in r:
+            print(
+                f"{'':<8} SiLU-and-mul then cuBLAS {r['silu_then_cublas_us']:.1f} us, fused {r['silu_gemv_us']:.1f} us"
+            )
+    now = datetime.now(UTC)
+    record = {
+        "benchmark": "bench_gemv",
+        "date": now.isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "git_commit": git_commit(),
+        "machine": {**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
+        "model": args.model,
+        "rows": rows,
+    }
+    out = (
+        args.output_file or RESULTS_DIR / f"gemv-{args.model}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
