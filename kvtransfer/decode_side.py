@@ -24,9 +24,6 @@ from kvtransfer.endpoint import PEER_HEARTBEAT_IVL_S, PEER_HEARTBEAT_TIMEOUT_S, 
 
 log = logging.getLogger(__name__)
 
-"""A prefill engine silent this long (no ZMTP PONG: libzmq answers PINGs in its
-own I/O thread, so a busy engine still answers) is taken as gone."""
-
 
 class PeerFailed(msgspec.Struct, frozen=True):
     """A prefill engine is unusable: handshake refused, unreachable, or silent."""

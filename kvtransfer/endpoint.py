@@ -6,8 +6,10 @@ import zmq
 
 PEER_HEARTBEAT_IVL_S = 0.5
 PEER_HEARTBEAT_TIMEOUT_S = 1.5
-"""ZMTP heartbeats on every KV-plane connection (both ends): a peer that
-stops answering is dropped within the timeout, not at a transfer deadline."""
+"""ZMTP heartbeats on a decode engine's connection to each prefill engine: a
+prefill engine silent this long (no PONG: libzmq answers PINGs in its own I/O
+thread, so a busy engine still answers) is taken as gone, within the timeout
+rather than at a transfer deadline."""
 
 
 def bind_router(host: str, port: int) -> tuple[zmq.Socket, str]:

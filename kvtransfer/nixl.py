@@ -232,10 +232,16 @@ class NixlBackend(TransferBackend):
                 gone.append(peer)
         return gone
 
-    def path(self, peer: str, ranges: list[ByteRange]) -> str:
+    def path(self, peer: str, ranges: Sequence[ByteRange]) -> str:
         """How a write of ``ranges`` to ``peer`` travels: "cuda_ipc" or "ucx"."""
-        ok = peer in self._ipc_peers and cuda_ipc.pays(ranges) and cuda_ipc.aligned(ranges)
-        return "cuda_ipc" if ok else "ucx"
+        return "ucx" if self._ipc_ranges(peer, ranges) is None else "cuda_ipc"
+
+    def _ipc_ranges(self, peer: str, ranges: Sequence[ByteRange]) -> np.ndarray | None:
+        """``ranges`` as an array when the copy kernel takes them to ``peer``."""
+        if peer not in self._ipc_peers:
+            return None
+        r = cuda_ipc.as_array(ranges)
+        return r if cuda_ipc.pays(r) and cuda_ipc.aligned(r) else None
 
     def route(self, peer: str) -> str:
         """How writes to ``peer`` may travel: "cuda_ipc" (many small ranges go
@@ -265,11 +271,12 @@ class NixlBackend(TransferBackend):
         if error is not None:
             self._fail(xfer, f"write to {peer!r} refused: {error}")
             return handle
-        peer_buf = self._ipc_peers.get(peer)
-        if peer_buf is not None and self.path(peer, ranges) == "cuda_ipc":
+        ipc_ranges = self._ipc_ranges(peer, ranges)
+        if ipc_ranges is not None:
             assert self._ipc_writer is not None
+            peer_buf = self._ipc_peers[peer]
             try:
-                xfer.done, table = self._ipc_writer.start(peer_buf, ranges)
+                xfer.done, table = self._ipc_writer.start(peer_buf, ipc_ranges)
             except Exception as e:
                 self._fail(xfer, f"CUDA IPC write to {peer!r} failed to start: {e}")
                 return handle
