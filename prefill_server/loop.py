@@ -362,17 +362,12 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
         # waits out its timeouts and then drops this (healthy) peer.
         # The outbox too: a Prefill refused in submit() (room in use, rejected
         # decode worker, invalid request) is answered only by the next step().
-        return bool(
-            self.rooms
-            or self.unclaimed.needs_steps()
-            or self.outbox
-            or self.scheduler.has_work()
-            or self.kv.has_pending()
-        )
+        return bool(self.rooms) or self.busy()
 
     def busy(self) -> bool:
-        # Rooms awaiting their reservation wait for the KV plane's socket;
-        # rooms with writes in flight must be polled.
+        # ``has_work`` less the rooms that only wait: those awaiting their
+        # reservation wait for the KV plane's socket (rooms with writes in
+        # flight must be polled, so they count).
         return bool(
             self.outbox
             or self.scheduler.has_work()

@@ -97,7 +97,7 @@ def _fits(x: torch.Tensor, w: torch.Tensor, k: int) -> Tiles | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; one-row CUDA inputs through the GEMV kernel."""
-    t = _fits(x, weight, x.shape[-1]) if x.dim() == 2 else None
+    t = _fits(x, weight, x.shape[-1])
     if t is None:
         return F.linear(x, weight, bias)
     return run_gemv(x, weight, bias, t)
@@ -122,7 +122,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, silu_and_mul: A
     """``F.linear(silu_and_mul(gate_up), weight)``: one kernel for a one-row
     CUDA input, else the two steps (``silu_and_mul`` is the layer's kernel)."""
     k = gate_up.shape[-1] // 2
-    t = _fits(gate_up, weight, k) if gate_up.dim() == 2 else None
+    t = _fits(gate_up, weight, k)
     if t is None:
         return linear(silu_and_mul(gate_up), weight)
     return run_silu_gemv(gate_up, weight, t)
