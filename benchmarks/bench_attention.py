@@ -1,15 +1,20 @@
-"""Decode attention kernels by batch size: FlashInfer's tensor-core kernel
-against its CUDA-core one, as the decode graphs run them.
+"""Decode attention kernels by batch size, as the decode graphs run them.
 
 For each batch size and context length, a KV pool shaped like the model's
-(page-major, random pages per request) is planned once per kernel, then
-``--layers`` attention calls (one per layer, as a decode step makes them) are
-captured in a CUDA graph and the replay is timed on the device. Reports GPU
-ms per step for both kernels and which is faster, so the batch size from which
-the engine uses tensor cores can be set from a measurement::
+(page-major, random pages per request) is planned once per kernel variant,
+then ``--layers`` attention calls (one per layer, as a decode step makes them)
+are captured in a CUDA graph and the replay is timed on the device. A variant
+is a FlashInfer kernel (``cuda-core``: the decode kernel; ``fa2``/``fa3``: the
+tensor-core kernels through the prefill path), a KV split rule (``auto``: the
+plan's own, ``none``: one pass per request, ``N``: N pages per split) and the
+layout within a page (``NHD``: the pool's, ``HND``: heads outermost). Reports
+GPU ms per step and the KV read rate, so that the kernel and split the engine
+uses can be set from a measurement::
 
     python benchmarks/bench_attention.py --batch-sizes 1 2 4 8 16 32 64 128 256 \\
         --context-lens 1024 4096
+    python benchmarks/bench_attention.py --batch-sizes 64 256 --variants \\
+        fa2:auto:NHD fa2:none:NHD fa3:auto:NHD cuda-core:auto:NHD fa2:auto:HND
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,10 +32,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import host_info, write_record  # noqa: E402
 
+KERNELS = ("cuda-core", "fa2", "fa3")
+LAYOUTS = ("NHD", "HND")
+
+
+class Variant(NamedTuple):
+    kernel: str
+    split: str
+    """``auto``, ``none`` or a page count."""
+    layout: str
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        parts = text.split(":")
+        if len(parts) != 3:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected KERNEL:SPLIT:LAYOUT")
+        kernel, split, layout = parts
+        if kernel not in KERNELS:
+            raise argparse.ArgumentTypeError(f"{text!r}: kernel is one of {', '.join(KERNELS)}")
+        if split not in ("auto", "none") and not split.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: split is auto, none or a page count")
+        if layout not in LAYOUTS:
+            raise argparse.ArgumentTypeError(f"{text!r}: layout is NHD or HND")
+        return cls(kernel, split, layout)
+
+    def __str__(self) -> str:
+        return ":".join(self)
+
 
 def time_kernel(
     fi: Any,
-    tensor_cores: bool,
+    variant: Variant,
     batch_size: int,
     context: int,
     args: argparse.Namespace,
@@ -41,7 +74,9 @@ def time_kernel(
     pages_per_req = -(-context // ps)
     num_pages = kv.shape[0]
     gen = torch.Generator().manual_seed(batch_size * 7 + context)
-    indices = torch.randint(1, num_pages, (batch_size * pages_per_req,), generator=gen)
+    # Distinct pages, as a pool hands out: a page read twice would be served
+    # from L2 and overstate the rate.
+    indices = torch.randperm(num_pages - 1, generator=gen)[: batch_size * pages_per_req] + 1
     indptr = torch.arange(0, batch_size + 1, dtype=torch.int32) * pages_per_req
     last = torch.full((batch_size,), context - (pages_per_req - 1) * ps, dtype=torch.int32)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
@@ -50,15 +85,22 @@ def time_kernel(
         torch.empty(indices.numel(), dtype=torch.int32, device=device),
         torch.empty(batch_size, dtype=torch.int32, device=device),
     )
+    tensor_cores = variant.kernel != "cuda-core"
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         workspace,
-        "NHD",
+        variant.layout,
         use_cuda_graph=True,
         use_tensor_cores=tensor_cores,
         paged_kv_indptr_buffer=buffers[0],
         paged_kv_indices_buffer=buffers[1],
         paged_kv_last_page_len_buffer=buffers[2],
+        backend=variant.kernel if tensor_cores else "auto",
     )
+    split: dict[str, Any] = {}
+    if variant.split == "none":
+        split["disable_split_kv"] = True
+    elif variant.split != "auto":
+        split["fixed_split_size"] = int(variant.split)
     wrapper.plan(
         indptr.pin_memory(),
         indices.to(torch.int32).to(device),
@@ -69,14 +111,22 @@ def time_kernel(
         ps,
         q_data_type=kv.dtype,
         kv_data_type=kv.dtype,
+        **split,
     )
     q = torch.randn(batch_size, args.num_heads, args.head_dim, dtype=kv.dtype, device=device)
     out = torch.empty_like(q)
-    cache = (kv[:, 0], kv[:, 1])
+    caches = []
+    for layer in range(kv.shape[1]):
+        cache = (kv[:, layer, 0], kv[:, layer, 1])
+        if variant.layout == "HND":
+            # The same bytes read as [page, heads, tokens, dim]: what is timed
+            # is the access pattern, not the values.
+            cache = tuple(c.view(c.shape[0], args.num_kv_heads, ps, args.head_dim) for c in cache)
+        caches.append(cache)
 
     def step() -> None:
-        for _ in range(args.layers):
-            wrapper.run(q, cache, out=out)
+        for layer in range(args.layers):
+            wrapper.run(q, caches[layer % len(caches)], out=out)
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -106,11 +156,28 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda:0", help="CUDA device (default: %(default)s)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--context-lens", type=int, nargs="+", default=[1024])
+    ap.add_argument(
+        "--variants",
+        type=Variant.parse,
+        nargs="+",
+        default=[Variant("fa2", "auto", "NHD"), Variant("cuda-core", "auto", "NHD")],
+        help="KERNEL:SPLIT:LAYOUT, KERNEL one of cuda-core, fa2, fa3; SPLIT auto, none or "
+        "pages per split; LAYOUT NHD or HND (default: fa2:auto:NHD cuda-core:auto:NHD, "
+        "the engine's two kernels)",
+    )
     ap.add_argument("--layers", type=int, default=32, help="calls per step (default: 32)")
     ap.add_argument("--num-heads", type=int, default=32, help="query heads (Llama-3.1-8B)")
     ap.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (Llama-3.1-8B)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--pool-layers",
+        type=int,
+        default=1,
+        help="layers held by each page of the pool, as the engine's page-major pool "
+        "holds all of them (its page stride spans every layer's K and V); call i reads "
+        "layer i mod this. 1: one layer's K and V per page (default: %(default)s)",
+    )
     ap.add_argument("--reps", type=int, default=20, help="timed replays (default: 20)")
     ap.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
     return ap
@@ -124,30 +191,41 @@ def main(argv: list[str] | None = None) -> None:
     torch.cuda.set_device(device)
     # One page-major pool big enough for the largest case; K and V per page.
     most = max(args.batch_sizes) * -(-max(args.context_lens) // args.page_size)
-    kv = torch.randn(
+    kv = torch.empty(
         most + 1,
+        args.pool_layers,
         2,
         args.page_size,
         args.num_kv_heads,
         args.head_dim,
         dtype=torch.bfloat16,
         device=device,
-    )
+    ).normal_()
+    token_bytes = 2 * args.num_kv_heads * args.head_dim * kv.element_size() * args.layers
     rows = []
-    print(f"{'batch':>6} {'context':>8} {'tensor-core ms':>15} {'cuda-core ms':>13} faster")
+    print(f"{'batch':>6} {'context':>8} {'variant':>22} {'ms':>8} {'KV TB/s':>8}")
     for context in args.context_lens:
         for b in args.batch_sizes:
-            tc = time_kernel(flashinfer, True, b, context, args, kv)
-            cc = time_kernel(flashinfer, False, b, context, args, kv)
-            faster = "tensor-core" if tc < cc else "cuda-core"
-            rows.append(
-                {"batch_size": b, "context": context, "tensor_core_ms": tc, "cuda_core_ms": cc}
-            )
-            print(f"{b:>6} {context:>8} {tc:>15.3f} {cc:>13.3f} {faster}", flush=True)
+            for variant in args.variants:
+                row: dict[str, Any] = {"batch_size": b, "context": context, "variant": str(variant)}
+                try:
+                    ms = time_kernel(flashinfer, variant, b, context, args, kv)
+                except Exception as e:  # a variant the build lacks: say so, go on
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    print(f"{b:>6} {context:>8} {str(variant):>22} failed: {row['error'][:80]}")
+                else:
+                    row["ms"] = ms
+                    row["kv_tb_s"] = b * context * token_bytes / (ms * 1e-3) / 1e12
+                    print(
+                        f"{b:>6} {context:>8} {str(variant):>22} {ms:>8.3f} {row['kv_tb_s']:>8.2f}"
+                    )
+                rows.append(row)
+                sys.stdout.flush()
     write_record(
         "bench_attention",
         argv if argv is not None else sys.argv[1:],
-        {"shape": vars(args), "rows": rows},
+        {"shape": {**vars(args), "variants": [str(v) for v in args.variants]}, "rows": rows},
         args.output_file,
         "attention-decode",
         machine={**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},

@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=50, help="timed and host-profiled steps")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=60.0)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=16, help="KV page size (default: 16)")
     ap.add_argument("--trace-dir", default=None, help="write host profiles and chrome traces")
     ap.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
     return ap
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
+            page_size=args.page_size,
             max_running_requests=max(256, *args.batch_sizes),
         )
     )
