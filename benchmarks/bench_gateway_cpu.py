@@ -18,7 +18,8 @@ more than one, this process to the others); its CPU time (user + system, from
 (from each stream's usage chunk), is the CPU per streamed token. It includes
 everything the gateway did in that time: accepting connections, parsing and
 tokenizing requests, routing, the ZMQ receive, detokenization, JSON and SSE
-encoding, and the health checks.
+encoding, and the health checks. The gateway runs with ``--busy-poll-s 0``: a
+loop that spins between events would count its idle time as work.
 
 Prints a table and writes a JSON record under ``benchmarks/results/``.
 ``--profile FILE`` runs the gateway under cProfile (one rate) and writes the
@@ -385,6 +386,11 @@ def gateway_cmd(port: int, worker_url: str, profile: str | None) -> list[str]:
         worker_url,
         "--log-level",
         "warning",
+        # What is measured is the work per token; a loop that spins between
+        # events (on by default on hosts with cores to spare) would add its
+        # idle time to it.
+        "--busy-poll-s",
+        "0",
     ]
 
 

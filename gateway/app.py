@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import Overloaded
+from gateway.busy_poll import BusyPoller
 from gateway.config import GatewayConfig
 from gateway.dispatch import NoWorkerAvailable
 from gateway.metrics import RequestTiming
@@ -90,7 +91,7 @@ def build_app(state: GatewayState) -> FastAPI:
     # Before any route is added: every route is a _GuardedRoute.
     app.router.route_class = _GuardedRoute
     _add_error_handlers(app, state)
-    app.add_middleware(Guards, config=state.config)
+    app.add_middleware(Guards, config=state.config, busy_poll=state.busy_poll)
     _add_status_routes(app, state)
     _add_admin_routes(app, state)
     _add_generation_routes(app, state)
@@ -118,6 +119,7 @@ def _lifespan(state: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextMa
                     state.admission.running,
                 )
             await state.health.stop()
+            await state.busy_poll.stop()
             await state.dispatcher.close()
 
     return lifespan
@@ -224,9 +226,10 @@ class Guards:
     of a streamed response across a memory stream and a task of its own,
     which would cost more per streamed token than the rest of the gateway."""
 
-    def __init__(self, app: Any, config: GatewayConfig) -> None:
+    def __init__(self, app: Any, config: GatewayConfig, busy_poll: BusyPoller) -> None:
         self.app = app
         self.cfg = config
+        self.busy_poll = busy_poll
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -262,9 +265,12 @@ class Guards:
         if error is not None:
             await error.response()(scope, receive, send)
             return
+        busy_poll = self.busy_poll
+        busy_poll.begin()
         try:
             await self.app(scope, receive, send)
         finally:
+            busy_poll.end()
             release = scope["state"].pop(RELEASE_SLOT, None)
             if release is not None:
                 release()

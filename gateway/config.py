@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.admission import AdmissionConfig
+from gateway.busy_poll import auto_linger_s
 from gateway.routing import RouterConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -46,6 +47,10 @@ class GatewayConfig:
     """None: only the model's context window limits prompts."""
     log_level: str = "info"
     """One of ``LOG_LEVELS``: the gateway's and its HTTP server's logging."""
+    busy_poll_s: float | None = None
+    """How long after its last request the event loop keeps polling instead of
+    sleeping (``gateway.busy_poll``); 0: never; None: auto (on with 4 or more
+    usable cores)."""
 
     def __post_init__(self) -> None:
         if min(self.request_timeout_s, self.worker_timeout_s, self.connect_timeout_s) <= 0:
@@ -54,6 +59,13 @@ class GatewayConfig:
             raise ValueError("worker_startup_timeout_s and shutdown_timeout_s must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.busy_poll_s is not None and self.busy_poll_s < 0:
+            raise ValueError("busy_poll_s must be >= 0 (0 disables it)")
+
+    @property
+    def busy_poll_linger_s(self) -> float:
+        """``busy_poll_s`` resolved."""
+        return auto_linger_s() if self.busy_poll_s is None else self.busy_poll_s
 
     @property
     def admin_bearer(self) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.admission import Admission, Overloaded
+from gateway.busy_poll import BusyPoller
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.metrics import GatewayMetrics
@@ -37,10 +38,12 @@ class GatewayState:
     admin: WorkerAdmin = field(init=False)
     """Adds and removes workers over the health checker's HTTP client."""
     admission: Admission = field(init=False)
+    busy_poll: BusyPoller = field(init=False)
 
     def __post_init__(self) -> None:
         self.admin = WorkerAdmin(self.router, self.health.probe)
         self.admission = Admission(self.config.admission, self._worker_capacity)
+        self.busy_poll = BusyPoller(self.config.busy_poll_linger_s)
 
     def _worker_capacity(self) -> int | None:
         """Requests the available decode workers take at their bound (None:

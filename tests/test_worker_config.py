@@ -83,7 +83,7 @@ def _other_value(flag: Flag) -> Any:
     if flag.kind is int:
         return 7 if default is None else default + 1
     if flag.kind is float:
-        return default * 2 + 1
+        return 1.5 if default is None else default * 2 + 1
     # A leading dash must not read as an option.
     return "-dash" if default is None else f"{default}-x"
 

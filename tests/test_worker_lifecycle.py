@@ -6,6 +6,7 @@ their end; past ``--shutdown-timeout-s`` the rest are aborted)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -64,6 +65,69 @@ def test_engine_threads_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="torch_threads"):
         WorkerConfig(torch_threads=0)
     assert "--torch-threads" in WorkerConfig(torch_threads=2).to_argv()
+
+
+def test_busy_poll_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("worker.config._usable_cores", lambda: 16)
+    gpu = WorkerConfig.from_settings(device="cuda:0")
+    assert gpu.idle_spin_s == 1.0
+    assert WorkerConfig.from_settings(device="cpu").idle_spin_s == 0.0
+    assert WorkerConfig.from_settings(device="cuda:0", busy_poll_s=0.25).idle_spin_s == 0.25
+    assert WorkerConfig.from_settings(device="cuda:0", busy_poll_s=0).idle_spin_s == 0.0
+    monkeypatch.setattr("worker.config._usable_cores", lambda: 2)
+    assert gpu.idle_spin_s == 0.0  # no core to spare beside the other processes
+    with pytest.raises(ValueError, match="busy_poll_s"):
+        WorkerConfig(busy_poll_s=-1)
+    assert WorkerConfig(busy_poll_s=0.5).to_argv()[-2:] == ["--busy-poll-s", "0.5"]
+
+
+def _engine_cpu_s(front_pid: int) -> float:
+    """CPU seconds (user + system) of the engine process the front spawned
+    (its other child is multiprocessing's resource tracker)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == front_pid and b"spawn_main" in cmdline:
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise AssertionError(f"no engine process under {front_pid}")
+
+
+def test_busy_poll_spins_after_a_request_then_sleeps(
+    model_dir: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """After a request the engine process polls without sleeping for
+    --busy-poll-s (it burns CPU), then sleeps again; the requester's heartbeats
+    do not keep it spinning."""
+    linger = 0.6
+    worker = _start(model_dir, tmp_path / "busy.log", busy_poll_s=linger)
+    try:
+        assert worker.info()["busy_poll_s"] == linger
+
+        async def scenario() -> tuple[float, float]:
+            async with WorkerClient(worker.endpoint, auth=keys_for(TOKEN)) as client:
+                async for _ in client.generate(Generate("busy-1", [5, 6, 7], _spec(2))):
+                    pass
+                t0 = _engine_cpu_s(worker.proc.pid)
+                await asyncio.sleep(0.4)
+                spun = _engine_cpu_s(worker.proc.pid) - t0
+                await asyncio.sleep(linger)  # heartbeats keep coming meanwhile
+                t1 = _engine_cpu_s(worker.proc.pid)
+                await asyncio.sleep(0.6)
+                return spun, _engine_cpu_s(worker.proc.pid) - t1
+
+        spun, idle = asyncio.run(scenario())
+        # A spinning process gets most of a core even on a busy 2-core host;
+        # an idle one wakes every 5 ms for a poll and takes a few percent.
+        assert spun >= 0.15, f"the engine used {spun:.3f} s of CPU in 0.4 s after a request"
+        assert idle <= 0.15, f"the engine used {idle:.3f} s of CPU in 0.6 s while idle"
+    except BaseException:
+        dump_log(request.config, worker.log_path)
+        raise
+    finally:
+        stop(worker.proc)
 
 
 def test_sigterm_drains_in_flight_and_refuses_new(
