@@ -75,8 +75,12 @@ def time_kernel(
     num_pages = kv.shape[0]
     gen = torch.Generator().manual_seed(batch_size * 7 + context)
     # Distinct pages, as a pool hands out: a page read twice would be served
-    # from L2 and overstate the rate.
-    indices = torch.randperm(num_pages - 1, generator=gen)[: batch_size * pages_per_req] + 1
+    # from L2 and overstate the rate. "contiguous": each request's pages in a
+    # run, as a fresh pool's allocator hands them out.
+    if args.page_order == "contiguous":
+        indices = torch.arange(1, batch_size * pages_per_req + 1)
+    else:
+        indices = torch.randperm(num_pages - 1, generator=gen)[: batch_size * pages_per_req] + 1
     indptr = torch.arange(0, batch_size + 1, dtype=torch.int32) * pages_per_req
     last = torch.full((batch_size,), context - (pages_per_req - 1) * ps, dtype=torch.int32)
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
@@ -113,8 +117,12 @@ def time_kernel(
         kv_data_type=kv.dtype,
         **split,
     )
-    q = torch.randn(batch_size, args.num_heads, args.head_dim, dtype=kv.dtype, device=device)
-    out = torch.empty_like(q)
+    # The engine's q is a view into the fused QKV projection's output: its rows
+    # are (query + 2 x KV heads) x head_dim apart.
+    qkv_heads = args.num_heads + 2 * args.num_kv_heads if args.q_in_qkv else args.num_heads
+    qkv = torch.randn(batch_size, qkv_heads, args.head_dim, dtype=kv.dtype, device=device)
+    q = qkv[:, : args.num_heads]
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
     caches = []
     for layer in range(kv.shape[1]):
         cache = (kv[:, layer, 0], kv[:, layer, 1])
@@ -177,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="layers held by each page of the pool, as the engine's page-major pool "
         "holds all of them (its page stride spans every layer's K and V); call i reads "
         "layer i mod this. 1: one layer's K and V per page (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--page-order",
+        choices=("random", "contiguous"),
+        default="random",
+        help="pages of a request: distinct random pages, or one run per request "
+        "(default: %(default)s)",
+    )
+    ap.add_argument(
+        "--q-in-qkv",
+        action="store_true",
+        help="queries as a strided view into a fused QKV output, as the engine passes them",
     )
     ap.add_argument("--reps", type=int, default=20, help="timed replays (default: 20)")
     ap.add_argument("--output-file", default=None, help="JSON record (default: results dir)")

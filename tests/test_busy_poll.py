@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gateway.__main__ import build_parser
-from gateway.busy_poll import BusyPoller
+from gateway.busy_poll import MAX_IN_FLIGHT, BusyPoller
 from gateway.config import GatewayConfig
 
 
@@ -72,3 +72,20 @@ def test_auto_needs_cores_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
     assert GatewayConfig().busy_poll_linger_s == 1.0
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1})
     assert GatewayConfig().busy_poll_linger_s == 0.0
+
+
+def test_stops_under_load_and_resumes_below_it() -> None:
+    async def scenario() -> None:
+        poller = BusyPoller(0.3)
+        for _ in range(MAX_IN_FLIGHT + 1):
+            poller.begin()
+        await asyncio.sleep(0.05)
+        assert not poller.spinning, "spins with more than MAX_IN_FLIGHT requests"
+        assert await _cpu_over(0.2) <= 0.05
+        poller.end()
+        assert poller.spinning
+        for _ in range(MAX_IN_FLIGHT):
+            poller.end()
+        await poller.stop()
+
+    asyncio.run(scenario())
