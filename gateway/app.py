@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import Overloaded
@@ -91,7 +92,7 @@ def build_app(state: GatewayState) -> FastAPI:
     # Before any route is added: every route is a _GuardedRoute.
     app.router.route_class = _GuardedRoute
     _add_error_handlers(app, state)
-    app.add_middleware(Guards, config=state.config, busy_poll=state.busy_poll)
+    app.add_middleware(Guards, state=state, direct=_direct_routes(state))
     _add_status_routes(app, state)
     _add_admin_routes(app, state)
     _add_generation_routes(app, state)
@@ -220,16 +221,22 @@ async def _parse_json_fast(request: Request) -> None:
 
 class Guards:
     """The checks every request passes first: API and admin keys, and the body
-    size limit. It also stamps when the request came in (``RECEIVED_AT``).
+    size limit. It also stamps when the request came in (``RECEIVED_AT``),
+    and serves the generation routes' well-formed requests itself
+    (``DirectRoute``).
 
     A plain ASGI middleware, not an ``http`` one: that kind hands every chunk
     of a streamed response across a memory stream and a task of its own,
     which would cost more per streamed token than the rest of the gateway."""
 
-    def __init__(self, app: Any, config: GatewayConfig, busy_poll: BusyPoller) -> None:
+    def __init__(
+        self, app: Any, state: GatewayState, direct: dict[str, DirectRoute] | None = None
+    ) -> None:
         self.app = app
-        self.cfg = config
-        self.busy_poll = busy_poll
+        self.state = state
+        self.cfg = state.config
+        self.busy_poll: BusyPoller = state.busy_poll
+        self.direct = direct or {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -253,7 +260,7 @@ class Guards:
             # Invariant: no body over max_body_bytes reaches a handler, framed
             # by Content-Length or not (a chunked body has no header to check;
             # it is read here and handed on as one message).
-            body, receive = await _buffer_body(receive)
+            body, receive, _ = await _buffer_body(receive)
             size = str(len(body))
         too_large = size is not None and size.isdigit() and int(size) > cfg.max_body_bytes
         if error is None and too_large:
@@ -268,7 +275,11 @@ class Guards:
         busy_poll = self.busy_poll
         busy_poll.begin()
         try:
-            await self.app(scope, receive, send)
+            route = self.direct.get(path) if scope["method"] == "POST" else None
+            if route is not None:
+                receive = await route(scope, receive, send)
+            if receive is not None:
+                await self.app(scope, receive, send)
         finally:
             busy_poll.end()
             release = scope["state"].pop(RELEASE_SLOT, None)
@@ -294,9 +305,10 @@ def _admin_error(cfg: GatewayConfig, auth: str | None) -> APIError | None:
     return None
 
 
-async def _buffer_body(receive: Any) -> tuple[bytes, Any]:
-    """Read the whole request body; returns it and a ``receive`` that hands it
-    on in one message, then passes on whatever comes next (a disconnect)."""
+async def _buffer_body(receive: Any) -> tuple[bytes, Any, bool]:
+    """Read the whole request body; returns it, a ``receive`` that hands it
+    on in one message, then passes on whatever comes next (a disconnect), and
+    whether the body came whole (False: the client left first)."""
     parts = []
     while True:
         message = await receive()
@@ -320,7 +332,7 @@ async def _buffer_body(receive: Any) -> tuple[bytes, Any]:
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    return body, replay
+    return body, replay, first is None
 
 
 def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
@@ -394,41 +406,132 @@ def _worker_url(url: str) -> str:
 
 
 def _add_generation_routes(app: FastAPI, state: GatewayState) -> None:
+    # The well-formed requests of these routes are served by ``DirectRoute``
+    # before they get here; these serve the rest (and describe the API).
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        await _ready(state)
-        _check_model(state, req.model)
-        assert state.tokenizer is not None
-        prompts = completion_prompts(req.prompt, state.tokenizer, state.vocab_size)
-        await _admit(state, request, req, prompts)
-        constraint = Constraint(
-            structured_outputs_grammar(req.structured_outputs), "structured_outputs"
-        )
-        return await _generate(state, req, prompts, CompletionShape, _received(request), constraint)
+        return await _completions(state, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        await _ready(state)
-        _check_model(state, req.model)
-        assert state.tokenizer is not None
-        check_messages(req.messages)
-        msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        constraint = one_constraint(
-            Constraint(response_format_grammar(req.response_format), "response_format"),
-            Constraint(structured_outputs_grammar(req.structured_outputs), "structured_outputs"),
-            tools.constraint,
+        return await _chat(state, req, request)
+
+
+async def _completions(state: GatewayState, req: CompletionRequest, request: Request) -> Response:
+    await _ready(state)
+    _check_model(state, req.model)
+    assert state.tokenizer is not None
+    prompts = completion_prompts(req.prompt, state.tokenizer, state.vocab_size)
+    await _admit(state, request, req, prompts)
+    constraint = Constraint(
+        structured_outputs_grammar(req.structured_outputs), "structured_outputs"
+    )
+    return await _generate(state, req, prompts, CompletionShape, _received(request), constraint)
+
+
+async def _chat(state: GatewayState, req: ChatCompletionRequest, request: Request) -> Response:
+    await _ready(state)
+    _check_model(state, req.model)
+    assert state.tokenizer is not None
+    check_messages(req.messages)
+    msgs = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    constraint = one_constraint(
+        Constraint(response_format_grammar(req.response_format), "response_format"),
+        Constraint(structured_outputs_grammar(req.structured_outputs), "structured_outputs"),
+        tools.constraint,
+    )
+    try:
+        ids = state.tokenizer.chat_ids(
+            template_messages(msgs),
+            add_generation_prompt=req.add_generation_prompt,
+            tools=tools.tools,
         )
+    except ValueError as e:
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    await _admit(state, request, req, [ids])
+    return await _generate(state, req, [ids], ChatShape, _received(request), constraint, tools)
+
+
+class DirectRoute:
+    """A generation route served without FastAPI's routing and dependency
+    machinery, which cost about 0.4 ms per request on a 2-core host (about
+    half of it solving the route's parameters) where the route's own work
+    before dispatch is 0.1 ms.
+
+    Invariant: the answer is the FastAPI route's. Only requests FastAPI would
+    read the same way are taken: a JSON content type (or none) and a body
+    msgspec parses to an object; everything else (another content type,
+    bytes that are no JSON, NaN and the like, a body of another JSON type)
+    goes on to the route, which answers as it always did. A taken body is
+    validated by the same pydantic model, and its errors, API errors and
+    unexpected exceptions are answered by the same functions as the app's
+    exception handlers."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        model: type[GenerationRequest],
+        handler: Callable[[GatewayState, Any, Request], Coroutine[Any, Any, Response]],
+    ) -> None:
+        self.state, self.model, self.handler = state, model, handler
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> Any:
+        """Serve the request and return None; or, when it is not one this path
+        takes, the ``receive`` the route must read the request from (the body
+        already read is handed on first)."""
+        if not _json_content(scope):
+            return receive
+        body, replay, whole = await _buffer_body(receive)
+        if not whole:
+            return replay
         try:
-            ids = state.tokenizer.chat_ids(
-                template_messages(msgs),
-                add_generation_prompt=req.add_generation_prompt,
-                tools=tools.tools,
+            data = msgspec.json.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            data = None
+        if not isinstance(data, dict):
+            return replay
+        request = Request(scope, replay, send)
+        try:
+            req = self.model.model_validate(data)
+        except ValidationError as e:
+            # As FastAPI reports a body parameter's errors (its handler: the
+            # first error, its location under "body").
+            first = e.errors(include_url=False)[:1]
+            error = _validation_error({**first[0], "loc": ("body", *first[0]["loc"])})
+            await error.response()(scope, replay, send)
+            return None
+        try:
+            response = await self.handler(self.state, req, request)
+        except APIError as e:
+            self.state.metrics.failures.inc(e.code or str(e.status))
+            response = e.response()
+        except Exception as e:
+            log.exception("POST %s failed", scope["path"])
+            error = internal_error(e)
+            self.state.metrics.failures.inc(error.code or str(error.status))
+            response = error.response()
+        await response(scope, replay, send)
+        return None
+
+
+def _json_content(scope: Any) -> bool:
+    """Whether FastAPI reads this request's body as JSON (no content type, or
+    application/json or application/*+json)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            mime = value.split(b";", 1)[0].strip().lower()
+            return mime == b"application/json" or (
+                mime.startswith(b"application/") and mime.endswith(b"+json")
             )
-        except ValueError as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        await _admit(state, request, req, [ids])
-        return await _generate(state, req, [ids], ChatShape, _received(request), constraint, tools)
+    return True
+
+
+def _direct_routes(state: GatewayState) -> dict[str, DirectRoute]:
+    return {
+        "/v1/completions": DirectRoute(state, CompletionRequest, _completions),
+        "/v1/chat/completions": DirectRoute(state, ChatCompletionRequest, _chat),
+    }
 
 
 async def _ready(state: GatewayState) -> None:

@@ -556,3 +556,147 @@ def _json_body(body: Any) -> dict[str, Any]:
         "content": json.dumps(body, allow_nan=True).encode(),
         "headers": {"content-type": "application/json"},
     }
+
+
+# -- the direct generation routes answer as the FastAPI routes do -----------------
+
+_DIRECT_CASES: list[tuple[str, str, bytes, str | None]] = [
+    # (path, content type, body, None when the direct path must fall through)
+    ("/v1/completions", "application/json", json.dumps(GOOD_COMPLETION).encode(), "taken"),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).encode(),
+        "taken",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        json.dumps({**GOOD_COMPLETION, "foo": 1}).encode(),
+        "taken",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        json.dumps({**GOOD_COMPLETION, "max_tokens": "x"}).encode(),
+        "taken",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        json.dumps({**GOOD_COMPLETION, "prompt": {}}).encode(),
+        "taken",
+    ),
+    ("/v1/completions", "application/json", json.dumps({"prompt": "hi"}).encode(), "taken"),
+    (
+        "/v1/completions",
+        "application/json",
+        json.dumps({**GOOD_COMPLETION, "model": "nope"}).encode(),
+        "taken",
+    ),
+    (
+        "/v1/completions",
+        "application/json",
+        json.dumps({**GOOD_COMPLETION, "max_tokens": 10**6}).encode(),
+        "taken",
+    ),
+    (
+        "/v1/chat/completions",
+        "application/json",
+        json.dumps({"model": MODEL, "messages": []}).encode(),
+        "taken",
+    ),
+    ("/v1/completions", "application/vnd.api+json", json.dumps(GOOD_COMPLETION).encode(), "taken"),
+    ("/v1/completions", "application/json", b"[1, 2]", None),
+    ("/v1/completions", "application/json", b'"text"', None),
+    ("/v1/completions", "application/json", b"{bad", None),
+    ("/v1/completions", "application/json", b"", None),
+    (
+        "/v1/completions",
+        "application/json",
+        b'{"model": "tiny", "prompt": "hi", "temperature": NaN}',
+        None,
+    ),
+    ("/v1/completions", "text/plain", json.dumps(GOOD_COMPLETION).encode(), None),
+]
+
+
+def _comparable(resp: httpx.Response) -> tuple[int, str, Any]:
+    body: Any = resp.text
+    with contextlib.suppress(ValueError):
+        body = resp.json()
+        if isinstance(body, dict):
+            body = {k: v for k, v in body.items() if k not in ("id", "created")}
+    return resp.status_code, resp.headers.get("content-type", ""), body
+
+
+@pytest.fixture(scope="module")
+def direct_and_reference(model_dir: str) -> Iterator[tuple[App, App, list[str]]]:
+    """The app as built, whose direct routes note every request they serve
+    themselves, and the same app with no direct routes (only FastAPI's)."""
+    import gateway.app as app_module
+
+    served: list[str] = []
+    real = app_module._direct_routes
+
+    def noting(state: GatewayState) -> dict[str, Any]:
+        def wrap(path: str, route: Any) -> Any:
+            async def call(scope: Any, receive: Any, send: Any) -> Any:
+                passed_on = await route(scope, receive, send)
+                if passed_on is None:
+                    served.append(path)
+                return passed_on
+
+            return call
+
+        return {path: wrap(path, route) for path, route in real(state).items()}
+
+    def state() -> _LocalState:
+        router = Router(RouterConfig())
+        config = GatewayConfig(admin_key=ADMIN_KEY)
+        return _LocalState(
+            config, router, HealthChecker(router), WireDispatcher(), model_dir=model_dir
+        )  # type: ignore[arg-type]
+
+    with contextlib.ExitStack() as stack:
+        app_module._direct_routes = noting  # type: ignore[assignment]
+        try:
+            s1 = state()
+            direct = stack.enter_context(serve_in_process(s1, s1.dispatcher))
+            app_module._direct_routes = lambda _state: {}  # type: ignore[assignment]
+            s2 = state()
+            reference = stack.enter_context(serve_in_process(s2, s2.dispatcher))
+        finally:
+            app_module._direct_routes = real  # type: ignore[assignment]
+        yield direct, reference, served
+
+
+@pytest.mark.parametrize(("path", "ctype", "body", "taken"), _DIRECT_CASES)
+def test_direct_routes_answer_as_fastapi_does(
+    direct_and_reference: tuple[App, App, list[str]],
+    path: str,
+    ctype: str,
+    body: bytes,
+    taken: str | None,
+) -> None:
+    direct, reference, served = direct_and_reference
+    served.clear()
+    headers = {"content-type": ctype}
+    got = direct.http.post(path, content=body, headers=headers)
+    want = reference.http.post(path, content=body, headers=headers)
+    assert _comparable(got) == _comparable(want)
+    # The direct path serves what it can read as FastAPI would, and leaves
+    # the rest to FastAPI.
+    assert served == ([path] if taken else [])
+
+
+def test_direct_route_unexpected_failure_is_the_same_500(
+    direct_and_reference: tuple[App, App, list[str]],
+) -> None:
+    direct, reference, _ = direct_and_reference
+    answers = []
+    for app in (direct, reference):
+        app.dispatcher.explode = True
+        answers.append(_comparable(app.complete(prompt="Hello", max_tokens=2)))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 500 and answers[0][2]["error"]["code"] == "internal_error"
