@@ -23,14 +23,12 @@ since forwards run one after another on one stream."""
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
 TENSOR_CORE_MIN_GROUP = 4
-"""Query heads per KV head from which decode runs on the tensor-core kernel."""
-UNSPLIT_MIN_WORK = 256
-"""Decode rows x KV heads from which the tensor-core decode reads each row's KV
-in one pass instead of splitting it: with that many (request, head) tiles for
-the SMs the split's partial results and their merge only cost (H200, 1k
-context: 2.35 -> 2.20 ms for 32 layers at batch 64, 7.25 -> 6.99 at 256), while
-a small batch needs the split to occupy the GPU (batch 1: 0.32 ms split, 0.61
-whole). ``benchmarks/bench_attention.py`` measures both."""
+"""Query heads per KV head from which decode runs on the tensor-core kernel.
+Its plans keep FlashInfer's own KV split at every batch size: reading each
+row's KV in one pass (``disable_split_kv``) from 32 rows up was faster alone
+(``benchmarks/bench_attention.py``: 2.48 -> 2.34 ms at 64 rows, 8.58 -> 8.32
+at 256) and in the batch-256 graph (17.33 -> 17.06 ms), but the serving loop
+at 64 streams fell from 4101 to 3262 output tok/s with it."""
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 NUM_PLAN_SLOTS = 2
 """Plans alternate between this many wrapper sets. plan() writes the page table
@@ -169,14 +167,12 @@ class FlashInferAttention(AttentionBackend):
         return indptr, indices, last_len
 
     def _plan_args(
-        self, indptr: list[int], indices: torch.Tensor, last_len: list[int], decode: bool = True
+        self, indptr: list[int], indices: torch.Tensor, last_len: list[int]
     ) -> tuple[list[Any], dict[str, Any]]:
         """What both wrappers' plan() take after the query layout: the page
-        table, the shapes and the dtypes (and, for a decode plan, whether the
-        KV is split; a function of the row count alone, so that a graph's
-        replays plan what it was captured with). The page table goes in as
-        host tensors (plan() schedules on the host and queues their copies),
-        the page indices already on the device."""
+        table, the shapes and the dtypes. The page table goes in as host
+        tensors (plan() schedules on the host and queues their copies), the
+        page indices already on the device."""
         args = [
             _host(indptr),
             indices,
@@ -187,15 +183,7 @@ class FlashInferAttention(AttentionBackend):
             self.pool.page_size,
         ]
         dtype = self.pool.kv.dtype
-        kwargs: dict[str, Any] = {
-            "q_data_type": dtype,
-            "kv_data_type": dtype,
-            "sm_scale": self.scale,
-        }
-        rows = len(indptr) - 1
-        if decode and self._slots[0].tensor_cores and rows * self.num_kv_heads >= UNSPLIT_MIN_WORK:
-            kwargs["disable_split_kv"] = True
-        return args, kwargs
+        return args, {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": self.scale}
 
     def _take_slot(self, slot: int | None = None) -> _PlanSlot:
         if self._current is not None:
@@ -240,7 +228,7 @@ class FlashInferAttention(AttentionBackend):
         for n in batch.extend_lens[d:]:
             qo_indptr.append(qo_indptr[-1] + n)
         args, kwargs = self._plan_args(
-            [x - split for x in indptr[d:]], dev[0][split:], last_len[d:], decode=False
+            [x - split for x in indptr[d:]], dev[0][split:], last_len[d:]
         )
         slot.prefill.plan(_host(qo_indptr), *args, causal=True, **kwargs)
         self._wrapper = slot.prefill
