@@ -48,6 +48,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import compare_pd  # noqa: E402
 from benchmarks.bench_serving import fetch_model  # noqa: E402
 from benchmarks.common import git_commit, host_info  # noqa: E402
 from benchmarks.http_stream import StreamClient, sse_lines  # noqa: E402
@@ -268,54 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--role both worker) and/or disagg (a prefill and a decode worker, both on --device) "
         "(default: none, measure the gateway at --base-url)",
     )
-    d.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory of the workers (default: the built-in tiny model)",
-    )
-    d.add_argument(
-        "--dummy-preset",
-        default=None,
-        metavar="NAME",
-        help="serve a preset (e.g. llama-3.1-8b) or a config.json path in real shapes with "
-        "random weights: a config + synthetic tokenizer directory (benchmarks/dummy_model.py) "
-        "in a temp folder, --load-format dummy",
-    )
+    compare_pd.add_deployment_flags(d, "each gateway")
     d.add_argument(
         "--device",
         default="auto",
         help="device of every worker, e.g. cuda:0 or cpu (default: %(default)s)",
-    )
-    d.add_argument(
-        "--transfer-backend",
-        default="tcp",
-        help="KV transfer of the disagg deployment: nixl or tcp (default: %(default)s)",
-    )
-    d.add_argument(
-        "--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)"
-    )
-    d.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=None,
-        help="KV pool of each worker (default: the workers' default)",
-    )
-    d.add_argument(
-        "--worker-args",
-        default="",
-        help='extra flags for every worker, one string, e.g. "--cuda-graph-max-bs 64"',
-    )
-    d.add_argument("--gateway-args", default="", help="extra flags for each gateway, one string")
-    d.add_argument(
-        "--start-timeout-s",
-        type=float,
-        default=600.0,
-        help="how long each process may take to answer /health (default: %(default)s)",
-    )
-    d.add_argument(
-        "--log-dir",
-        default=None,
-        help="keep the processes' logs here (default: a temp folder, removed at the end)",
     )
     return ap
 
@@ -356,15 +314,13 @@ def deployment(
 ) -> Iterator[str]:
     """Start deployment ``name`` (compare_pd's processes: workers, then their gateway),
     yield the gateway URL, always stop them."""
-    from benchmarks import compare_pd  # loads engine config: only when deploying
-
     spec = argparse.Namespace(
         prefill_device=args.device,
         decode_device=args.device,
         colocated_device=[args.device],
         load_format="dummy" if args.dummy_preset else "auto",
         page_size=args.page_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb or compare_pd.ENGINE_DEFAULTS.kv_cache_memory_gb,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
         transfer_backend=args.transfer_backend,
         worker_args=args.worker_args,
         gateway_args=args.gateway_args,
@@ -380,9 +336,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows = asyncio.run(amain(args, args.base_url))
         print_table(rows)
         return [{"deployment": "external", **r} for r in rows]
-    from benchmarks.compare_pd import _interrupt
 
-    old_handler = signal.signal(signal.SIGTERM, _interrupt)
+    old_handler = signal.signal(signal.SIGTERM, compare_pd._interrupt)
     out: list[dict[str, Any]] = []
     try:
         with started(args) as (model, log_dir):

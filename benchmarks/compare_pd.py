@@ -228,27 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    m = ap.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory served by every worker (default: the built-in tiny model)",
-    )
-    m.add_argument(
-        "--dummy-preset",
-        default=None,
-        metavar="NAME",
-        help=f"serve a preset in real shapes with random weights ({', '.join(sorted(PRESETS))}, "
-        "or a config.json path): builds a config + synthetic tokenizer directory "
-        "(benchmarks/dummy_model.py) in a temp folder and implies --load-format dummy",
-    )
-    m.add_argument(
+    w = ap.add_argument_group("model and processes")
+    add_deployment_flags(w, "both gateways")
+    w.add_argument(
         "--load-format",
         choices=LOAD_FORMATS,
         default=ENGINE_DEFAULTS.load_format,
         help="auto: the checkpoint's weights; dummy: random weights (default: %(default)s)",
     )
-    w = ap.add_argument_group("workers")
     w.add_argument(
         "--prefill-device",
         default="auto",
@@ -265,36 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
         "the devices the disaggregated pair uses for a like-for-like comparison "
         "(default: auto)",
     )
-    w.add_argument(
-        "--transfer-backend",
-        choices=sorted(TRANSFER_BACKENDS),
-        default=WorkerConfig().transfer_backend,
-        help="KV transfer between the prefill and decode workers (default: %(default)s)",
-    )
-    w.add_argument(
-        "--page-size",
-        type=int,
-        default=ENGINE_DEFAULTS.page_size,
-        help="tokens per KV page (default: %(default)s)",
-    )
-    w.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=ENGINE_DEFAULTS.kv_cache_memory_gb,
-        help="KV pool of each worker (default: %(default)s)",
-    )
-    w.add_argument(
-        "--worker-args",
-        default="",
-        help='extra flags for every worker, one string, e.g. "--max-running-requests 64"',
-    )
-    w.add_argument("--gateway-args", default="", help="extra flags for both gateways, one string")
-    w.add_argument(
-        "--start-timeout-s",
-        type=float,
-        default=600.0,
-        help="how long each process may take to answer /health (default: %(default)s)",
-    )
     o = ap.add_argument_group("output")
     o.add_argument(
         "--output-file",
@@ -302,12 +259,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="append both JSON records here (default: %(default)s)",
     )
     o.add_argument("--no-output", action="store_true", help="do not write JSON records")
-    o.add_argument(
+    return ap
+
+
+def add_deployment_flags(group: Any, gateways: str) -> None:
+    """The flags of the processes a benchmark starts (also bench_ttft_stages'):
+    model, KV transfer, pool and extra flags of the workers and ``gateways``,
+    how long they may take to start, where their logs go."""
+    group.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory served by every worker (default: the built-in tiny model)",
+    )
+    group.add_argument(
+        "--dummy-preset",
+        default=None,
+        metavar="NAME",
+        help=f"serve a preset in real shapes with random weights ({', '.join(sorted(PRESETS))}, "
+        "or a config.json path): builds a config + synthetic tokenizer directory "
+        "(benchmarks/dummy_model.py) in a temp folder and implies --load-format dummy",
+    )
+    group.add_argument(
+        "--transfer-backend",
+        choices=sorted(TRANSFER_BACKENDS),
+        default=WorkerConfig().transfer_backend,
+        help="KV transfer between the prefill and decode workers (default: %(default)s)",
+    )
+    group.add_argument(
+        "--page-size",
+        type=int,
+        default=ENGINE_DEFAULTS.page_size,
+        help="tokens per KV page (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=ENGINE_DEFAULTS.kv_cache_memory_gb,
+        help="KV pool of each worker (default: %(default)s)",
+    )
+    group.add_argument(
+        "--worker-args",
+        default="",
+        help='extra flags for every worker, one string, e.g. "--max-running-requests 64"',
+    )
+    group.add_argument("--gateway-args", default="", help=f"extra flags for {gateways}, one string")
+    group.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long each process may take to answer /health (default: %(default)s)",
+    )
+    group.add_argument(
         "--log-dir",
         default=None,
         help="keep the processes' logs here (default: a temp folder, removed at the end)",
     )
-    return ap
 
 
 def _interrupt(signum: int, frame: Any) -> None:
