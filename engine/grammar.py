@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from engine.request import EngineRequestError
+from protocol.host import usable_cores
 from protocol.sampling import GrammarSpec
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def _max_threads() -> int:
 def _fill_threads() -> int:
     # Half the cores this process may run on: the mask is filled while the
     # loop's other threads (and the other workers on the host) keep theirs.
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    return max(1, min(8, usable_cores() // 2))
 
 
 class GrammarBackend:

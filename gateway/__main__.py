@@ -20,12 +20,12 @@ import uvicorn
 
 from gateway.admission import AdmissionConfig
 from gateway.app import build_app
-from gateway.busy_poll import AUTO_LINGER_S, MIN_CORES
 from gateway.config import LOG_LEVELS, GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.routing import DECODE_POLICIES, PREFILL_POLICIES, HealthChecker, Router, RouterConfig
 from gateway.state import GatewayState
 from protocol.auth import keys_for
+from protocol.host import AUTO_BUSY_POLL_S, BUSY_POLL_MIN_CORES
 
 CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
 log = logging.getLogger("gateway")
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "event loop polls instead of sleeping, so that a worker's first token or the "
         "next request is read at once rather than after the CPU wakes from idle "
         "(0.1-0.4 ms per wake on virtualized hosts); spins one core meanwhile; 0 "
-        f"disables; auto: {AUTO_LINGER_S:g} with {MIN_CORES} or more usable cores, else "
+        f"disables; auto: {AUTO_BUSY_POLL_S:g} with {BUSY_POLL_MIN_CORES} or more usable cores, else "
         "0 (default: auto)",
     )
     ap.add_argument(

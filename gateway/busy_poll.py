@@ -18,22 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
-AUTO_LINGER_S = 1.0
 MAX_IN_FLIGHT = 8
-MIN_CORES = 4
-"""Below this many usable cores a spinning gateway takes the CPU the workers
-beside it need (a CPU deployment's forwards): auto turns busy polling off."""
-
-
-def auto_linger_s() -> float:
-    """``--busy-poll-s auto``: on with cores to spare, else off."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return AUTO_LINGER_S if cores >= MIN_CORES else 0.0
 
 
 class BusyPoller:

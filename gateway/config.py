@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.admission import AdmissionConfig
-from gateway.busy_poll import auto_linger_s
 from gateway.routing import RouterConfig
+from protocol.host import auto_busy_poll_s
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -65,7 +65,7 @@ class GatewayConfig:
     @property
     def busy_poll_linger_s(self) -> float:
         """``busy_poll_s`` resolved."""
-        return auto_linger_s() if self.busy_poll_s is None else self.busy_poll_s
+        return auto_busy_poll_s() if self.busy_poll_s is None else self.busy_poll_s
 
     @property
     def admin_bearer(self) -> str | None:

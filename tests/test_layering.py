@@ -40,6 +40,7 @@ TORCH_FREE = [
     "protocol.stages",
     "protocol.prometheus",
     "protocol.tracing",
+    "protocol.host",
     "gateway.__main__",
     "gateway.app",
     "worker.cli",

@@ -68,13 +68,13 @@ def test_engine_threads_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_busy_poll_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("worker.config._usable_cores", lambda: 16)
+    monkeypatch.setattr("protocol.host.usable_cores", lambda: 16)
     gpu = WorkerConfig.from_settings(device="cuda:0")
     assert gpu.idle_spin_s == 1.0
     assert WorkerConfig.from_settings(device="cpu").idle_spin_s == 0.0
     assert WorkerConfig.from_settings(device="cuda:0", busy_poll_s=0.25).idle_spin_s == 0.25
     assert WorkerConfig.from_settings(device="cuda:0", busy_poll_s=0).idle_spin_s == 0.0
-    monkeypatch.setattr("worker.config._usable_cores", lambda: 2)
+    monkeypatch.setattr("protocol.host.usable_cores", lambda: 2)
     assert gpu.idle_spin_s == 0.0  # no core to spare beside the other processes
     with pytest.raises(ValueError, match="busy_poll_s"):
         WorkerConfig(busy_poll_s=-1)

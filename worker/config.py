@@ -24,6 +24,8 @@ from typing import Any
 
 from engine.config import MODEL_GROUP, EngineConfig, setting
 from kvtransfer import TRANSFER_BACKENDS
+from protocol.host import auto_busy_poll_s
+from protocol.host import usable_cores as _usable_cores
 from protocol.roles import BOTH, ROLES
 
 CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
@@ -35,10 +37,6 @@ PROGRAM_SETTINGS = ("role", "port")
 """Settings whose command-line default each server program picks (its first
 role, its port), so ``to_argv`` always writes them."""
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
-AUTO_BUSY_POLL_S = 1.0
-BUSY_POLL_MIN_CORES = 4
-"""Below this many usable cores a spinning engine would take a core from the
-processes beside it (the other engine, the gateway): auto busy polling is off."""
 
 
 @dataclass(frozen=True)
@@ -251,8 +249,7 @@ class WorkerConfig:
         activity (``busy_poll_s`` resolved; call on a resolved config)."""
         if self.busy_poll_s is not None:
             return self.busy_poll_s
-        spare = _usable_cores() >= BUSY_POLL_MIN_CORES
-        return AUTO_BUSY_POLL_S if spare and self.engine.device.startswith("cuda") else 0.0
+        return auto_busy_poll_s() if self.engine.device.startswith("cuda") else 0.0
 
     @property
     def is_resolved(self) -> bool:
@@ -382,13 +379,6 @@ def _optional_int(text: str) -> int | None:
 
 def _optional_float(text: str) -> float | None:
     return None if text.lower() in ("auto", "none") else float(text)
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _bracket(host: str) -> str:
