@@ -129,8 +129,7 @@ def _lifespan(state: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextMa
 def _add_error_handlers(app: FastAPI, state: GatewayState) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, e: APIError) -> JSONResponse:
-        state.metrics.failures.inc(e.code or str(e.status))
-        return e.response()
+        return _api_error_response(state, e)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -140,6 +139,12 @@ def _add_error_handlers(app: FastAPI, state: GatewayState) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _http_error(request, e).response()
+
+
+def _api_error_response(state: GatewayState, e: APIError) -> JSONResponse:
+    """An API error's answer, counted in the failures metric by its code."""
+    state.metrics.failures.inc(e.code or str(e.status))
+    return e.response()
 
 
 def _validation_error(err: dict[str, Any]) -> APIError:
@@ -504,13 +509,10 @@ class DirectRoute:
         try:
             response = await self.handler(self.state, req, request)
         except APIError as e:
-            self.state.metrics.failures.inc(e.code or str(e.status))
-            response = e.response()
+            response = _api_error_response(self.state, e)
         except Exception as e:
             log.exception("POST %s failed", scope["path"])
-            error = internal_error(e)
-            self.state.metrics.failures.inc(error.code or str(error.status))
-            response = error.response()
+            response = _api_error_response(self.state, internal_error(e))
         await response(scope, replay, send)
         return None
 
