@@ -20,9 +20,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import Overloaded
-from gateway.busy_poll import BusyPoller
-from gateway.config import GatewayConfig
 from gateway.dispatch import NoWorkerAvailable
+from gateway.guards import RECEIVED_AT, RELEASE_SLOT, Guards, buffer_body
 from gateway.metrics import RequestTiming
 from gateway.openai import (
     APIError,
@@ -69,12 +68,6 @@ from gateway.state import GatewayState
 from gateway.text.tool_parsers import parser_for_template
 from protocol.roles import ROLES
 
-RECEIVED_AT = "received_at"
-"""Key in the request's ``state`` of when the request came in (monotonic)."""
-RELEASE_SLOT = "release_slot"
-"""Key in the request's ``state`` of the call that gives its admission slot
-back (``Guards`` calls it once the whole response, streamed or not, is out)."""
-
 log = logging.getLogger("gateway.app")
 
 _PARAM_SOURCES = ("body", "query", "path", "header", "cookie")
@@ -92,7 +85,9 @@ def build_app(state: GatewayState) -> FastAPI:
     # Before any route is added: every route is a _GuardedRoute.
     app.router.route_class = _GuardedRoute
     _add_error_handlers(app, state)
-    app.add_middleware(Guards, state=state, direct=_direct_routes(state))
+    app.add_middleware(
+        Guards, config=state.config, busy_poll=state.busy_poll, direct=_direct_routes(state)
+    )
     _add_status_routes(app, state)
     _add_admin_routes(app, state)
     _add_generation_routes(app, state)
@@ -222,122 +217,6 @@ async def _parse_json_fast(request: Request) -> None:
         return
     with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
         request._json = msgspec.json.decode(body)  # Starlette's cache of request.json()
-
-
-class Guards:
-    """The checks every request passes first: API and admin keys, and the body
-    size limit. It also stamps when the request came in (``RECEIVED_AT``),
-    and serves the generation routes' well-formed requests itself
-    (``DirectRoute``).
-
-    A plain ASGI middleware, not an ``http`` one: that kind hands every chunk
-    of a streamed response across a memory stream and a task of its own,
-    which would cost more per streamed token than the rest of the gateway."""
-
-    def __init__(
-        self, app: Any, state: GatewayState, direct: dict[str, DirectRoute] | None = None
-    ) -> None:
-        self.app = app
-        self.state = state
-        self.cfg = state.config
-        self.busy_poll: BusyPoller = state.busy_poll
-        self.direct = direct or {}
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        scope.setdefault("state", {})[RECEIVED_AT] = time.monotonic()
-        cfg = self.cfg
-        path = scope["path"]
-        auth = size = None
-        for name, value in scope["headers"]:
-            if name == b"authorization" and auth is None:
-                auth = value.decode("latin-1")
-            elif name == b"content-length" and size is None:
-                size = value.decode("latin-1")
-        error = None
-        if path.startswith("/v1/") and cfg.api_key and auth != f"Bearer {cfg.api_key}":
-            error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-        elif path.startswith("/admin/") and (admin := _admin_error(cfg, auth)) is not None:
-            error = admin
-        elif size is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            # Invariant: no body over max_body_bytes reaches a handler, framed
-            # by Content-Length or not (a chunked body has no header to check;
-            # it is read here and handed on as one message).
-            body, receive, _ = await _buffer_body(receive)
-            size = str(len(body))
-        too_large = size is not None and size.isdigit() and int(size) > cfg.max_body_bytes
-        if error is None and too_large:
-            error = APIError(
-                400,
-                f"request body is {size} bytes; the limit is {cfg.max_body_bytes}",
-                code="body_too_large",
-            )
-        if error is not None:
-            await error.response()(scope, receive, send)
-            return
-        busy_poll = self.busy_poll
-        busy_poll.begin()
-        try:
-            route = self.direct.get(path) if scope["method"] == "POST" else None
-            if route is not None:
-                receive = await route(scope, receive, send)
-            if receive is not None:
-                await self.app(scope, receive, send)
-        finally:
-            busy_poll.end()
-            release = scope["state"].pop(RELEASE_SLOT, None)
-            if release is not None:
-                release()
-
-
-def _admin_error(cfg: GatewayConfig, auth: str | None) -> APIError | None:
-    """Why a call to /admin/* is refused (None: it is not). The admin API is
-    never open: without a key (``--admin-key`` or the cluster token) it
-    refuses everything, since it decides where users' prompts go."""
-    key = cfg.admin_bearer
-    if key is None:
-        return APIError(
-            403,
-            "the admin API is disabled: start the gateway with --admin-key or a cluster "
-            "token (DISAGG_CLUSTER_TOKEN)",
-            type_="permission_error",
-            code="admin_disabled",
-        )
-    if auth is None or not secrets.compare_digest(auth.encode(), f"Bearer {key}".encode()):
-        return APIError(401, "invalid or missing admin key", code="invalid_api_key")
-    return None
-
-
-async def _buffer_body(receive: Any) -> tuple[bytes, Any, bool]:
-    """Read the whole request body; returns it, a ``receive`` that hands it
-    on in one message, then passes on whatever comes next (a disconnect), and
-    whether the body came whole (False: the client left first)."""
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            # The client left before its body was complete: pass that on.
-            first: dict[str, Any] | None = message
-            break
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            first = None
-            break
-    body = b"".join(parts)
-    replayed = False
-
-    async def replay() -> Any:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            if first is not None:
-                return first
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return body, replay, first is None
 
 
 def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
@@ -487,7 +366,7 @@ class DirectRoute:
         already read is handed on first)."""
         if not _json_content(scope):
             return receive
-        body, replay, whole = await _buffer_body(receive)
+        body, replay, whole = await buffer_body(receive)
         if not whole:
             return replay
         try:
