@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
-from workers import REPO, launch_gateway, log_tail
+from workers import REPO, launch_gateway, log_tail, procs_mentioning
 
 from benchmarks import bench_serving as bench
 from benchmarks import compare_pd, http_stream
@@ -689,17 +689,6 @@ def test_comparison_table_lists_both_deployments() -> None:
     assert any(row.startswith("Successful requests") and row.split()[-1] == "4" for row in rows)
 
 
-def _procs_mentioning(marker: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if marker in cmdline.read_bytes().decode(errors="replace"):
-                found.append(cmdline.parent.name)
-        except OSError:
-            continue
-    return found
-
-
 @pytest.mark.e2e
 def test_compare_pd_smoke(tmp_path: Path) -> None:
     """Both deployments on a tiny-shaped dummy model (config.json + synthetic
@@ -733,7 +722,7 @@ def test_compare_pd_smoke(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)  # compare_pd stops its processes on SIGTERM
         output, _ = proc.communicate(timeout=60)
         pytest.fail(f"compare_pd did not finish in {COMPARE_TIMEOUT_S}s:\n{output[-6000:]}")
-    assert not _procs_mentioning(marker), "compare_pd left processes running"
+    assert not procs_mentioning(marker), "compare_pd left processes running"
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     assert [r["label"] for r in records][:1] == ["pd"], output[-6000:]
     assert records[0]["completed"] == 4 and records[0]["failed"] == 0

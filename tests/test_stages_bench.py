@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from workers import REPO
+from workers import REPO, procs_mentioning
 
 from benchmarks import bench_ttft_stages as bench
 
@@ -72,17 +72,6 @@ def test_cases_skip_what_the_context_cannot_hold(capsys: pytest.CaptureFixture[s
     assert "skipping 100 tokens" in capsys.readouterr().err
 
 
-def _procs_mentioning(marker: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if marker in cmdline.read_bytes().decode(errors="replace"):
-                found.append(cmdline.parent.name)
-        except OSError:
-            continue
-    return found
-
-
 @pytest.mark.e2e
 def test_deploys_colocated_and_disaggregated(tmp_path: Path) -> None:
     marker = f"ttft-smoke-{uuid.uuid4().hex[:8]}"
@@ -106,7 +95,7 @@ def test_deploys_colocated_and_disaggregated(tmp_path: Path) -> None:
         output, _ = proc.communicate(timeout=60)
         pytest.fail(f"no result in {SMOKE_TIMEOUT_S}s:\n{output[-6000:]}")
     assert proc.returncode == 0, output[-6000:]
-    assert not _procs_mentioning(marker), "processes left running"
+    assert not procs_mentioning(marker), "processes left running"
     record = json.loads(out.read_text())
     assert record["label"] == marker and record["git_commit"]
     rows = record["results"]

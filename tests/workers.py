@@ -107,6 +107,19 @@ def dump_log(config: pytest.Config, path: Path, lines: int = 200) -> None:
         print(f"\n{text}", file=sys.stderr, flush=True)
 
 
+def procs_mentioning(marker: str) -> list[str]:
+    """Pids of the processes whose command line holds ``marker`` (a benchmark's
+    processes, to check that it stopped them all)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                found.append(cmdline.parent.name)
+        except OSError:
+            continue
+    return found
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM, wait, then SIGKILL if it lingers."""
     stop_processes([proc], STOP_TIMEOUT_S)
