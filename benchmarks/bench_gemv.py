@@ -32,7 +32,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_commit, host_info  # noqa: E402
-from engine.layers import gemv  # noqa: E402
+from engine.layers import gemv, skinny  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 
@@ -134,6 +134,58 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace) -> dict[str
     return row
 
 
+def bench_rows(name: str, n: int, k: int, m: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``m`` rows against the ``[n, k]`` weight: cuBLAS, the few-row kernel with
+    the tiles it picks and, if ``m`` is in ``--rows-sweep``, the fastest tiles of
+    the grid."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    copies = max(2, int(L2_BYTES // (n * k * 2)))
+    ws = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        for _ in range(copies)
+    ]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = F.linear(x.double(), ws[0].double())
+    row: dict[str, Any] = {"name": name, "rows": m, "n": n, "k": k, "weight_bytes": n * k * 2}
+    row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws], args.reps)
+    chosen = skinny.tiles(m, n, k)
+    row["tiles"] = None if chosen is None else chosen._asdict()
+    if chosen is not None:
+        row["skinny_us"] = graph_us(
+            [lambda w=w: skinny.run_skinny(x, w, None, chosen) for w in ws], args.reps
+        )
+        row["skinny_rel_err"] = rel_err(skinny.run_skinny(x, ws[0], None, chosen), ref)
+    if m in args.rows_sweep:
+        best = None
+        for bn, bk, split, warps, stages in itertools.product(
+            args.rows_block_n, args.rows_block_k, args.rows_split, args.rows_warps, args.rows_stages
+        ):
+            if (
+                n % bn
+                or k % (bk * split)
+                or split * n * skinny.block_m(m) * 4 > skinny.PARTIAL_BYTES
+            ):
+                continue
+            t = skinny.Tiles(bn, bk, split, warps, stages)
+            try:
+                err = rel_err(skinny.run_skinny(x, ws[0], None, t), ref)
+                us = graph_us(
+                    [lambda w=w, t=t: skinny.run_skinny(x, w, None, t) for w in ws], args.reps
+                )
+            except Exception as e:  # tiles beyond the SM's shared memory
+                print(f"  {name} m={m} {t}: {type(e).__name__}", file=sys.stderr)
+                continue
+            if err > 1e-2:
+                raise AssertionError(f"{name} m={m} {t}: relative error {err}")
+            if best is None or us < best[0]:
+                best = (us, t, err)
+        if best is not None:
+            row["sweep_best"] = {"us": best[0], "tiles": best[1]._asdict(), "rel_err": best[2]}
+    for key in [k_ for k_ in row if k_.endswith("_us")]:
+        row[key.removesuffix("_us") + "_tbps"] = row["weight_bytes"] / row[key] / 1e6
+    return row
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,6 +210,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="sweep: warps per program")
     p.add_argument("--stages", type=int, nargs="+", default=[3, 4], help="sweep: pipeline stages")
+    p.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time these input row counts (2..64) on cuBLAS and the few-row kernel",
+    )
+    p.add_argument(
+        "--rows-sweep",
+        type=int,
+        nargs="+",
+        default=[],
+        help="row counts of --rows whose few-row tiles are searched over the grid below",
+    )
+    p.add_argument(
+        "--rows-block-n", type=int, nargs="+", default=[32, 64, 128], help="sweep: few-row N tile"
+    )
+    p.add_argument(
+        "--rows-block-k", type=int, nargs="+", default=[64, 128, 256], help="sweep: few-row K tile"
+    )
+    p.add_argument(
+        "--rows-split", type=int, nargs="+", default=[1, 2, 4], help="sweep: few-row K splits"
+    )
+    p.add_argument("--rows-warps", type=int, nargs="+", default=[4], help="sweep: few-row warps")
+    p.add_argument(
+        "--rows-stages", type=int, nargs="+", default=[4], help="sweep: few-row pipeline stages"
+    )
     p.add_argument("--output-file", type=Path, help="JSON record (default: results dir)")
     return p
 
@@ -167,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA device")
     rows = [bench_shape(name, n, k, args) for name, (n, k) in shapes(args.model).items()]
+    many = [
+        bench_rows(name, n, k, m, args)
+        for m in args.rows
+        for name, (n, k) in shapes(args.model).items()
+    ]
     print(
         f"{'weight':<8} {'N':>7} {'K':>6} {'cuBLAS us':>10} {'GEMV us':>9} {'TB/s':>6} {'err':>8}"
     )
@@ -186,6 +270,22 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{'':<8} SiLU-and-mul then cuBLAS {r['silu_then_cublas_us']:.1f} us, fused {r['silu_gemv_us']:.1f} us"
             )
+    if many:
+        print(
+            f"{'weight':<8} {'rows':>5} {'cuBLAS us':>10} {'kernel us':>10} {'TB/s':>6} {'err':>8}"
+        )
+    for r in many:
+        g = r.get("skinny_us")
+        print(
+            f"{r['name']:<8} {r['rows']:>5} {r['cublas_us']:>10.1f} "
+            f"{'-' if g is None else f'{g:10.1f}':>10} {r.get('skinny_tbps', 0):>6.2f} "
+            f"{r.get('skinny_rel_err', float('nan')):>8.1e}"
+            + (
+                f"  sweep best {r['sweep_best']['us']:.1f} us {r['sweep_best']['tiles']}"
+                if "sweep_best" in r
+                else ""
+            )
+        )
     now = datetime.now(UTC)
     record = {
         "benchmark": "bench_gemv",
@@ -195,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": {**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
         "model": args.model,
         "rows": rows,
+        "few_rows": many,
     }
     out = (
         args.output_file or RESULTS_DIR / f"gemv-{args.model}-{now.strftime('%Y%m%d-%H%M%S')}.json"

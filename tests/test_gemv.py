@@ -1,5 +1,6 @@
-"""The one-row GEMV kernels (``engine.layers.gemv``) against ``F.linear``:
-under Triton's interpreter on the CPU, and on a GPU for the model's shapes."""
+"""The one-row GEMV kernels (``engine.layers.gemv``) and the few-row kernel
+(``engine.layers.skinny``) against ``F.linear``: under Triton's interpreter on
+the CPU, and on a GPU for the model's shapes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from engine.layers import gemv
+from engine.layers import gemv, skinny
 
 
 def test_tiles_fit_the_shapes_or_refuse() -> None:
@@ -43,7 +44,7 @@ def test_kernels_under_the_interpreter() -> None:
         """
         import torch
         from torch.nn import functional as F
-        from engine.layers import gemv
+        from engine.layers import gemv, skinny
         torch.manual_seed(0)
         t = gemv.Tiles(4, 128, 4, 1)
         x = torch.randn(1, 512, dtype=torch.float16)
@@ -60,6 +61,51 @@ def test_kernels_under_the_interpreter() -> None:
         ref = F.linear(act, w.float())
         got = gemv.run_silu_gemv(gu, w, t).float()
         assert (got - ref).abs().max() < 2e-2, (got - ref).abs().max()
+        print("ok")
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_skinny_tiles_split_narrow_outputs_only() -> None:
+    assert skinny.tiles(1, 4096, 4096) is None  # one row: the GEMV kernel's
+    assert skinny.tiles(65, 4096, 4096) is None  # beyond the few-row range: cuBLAS
+    wide = skinny.tiles(64, 28672, 4096)
+    assert wide is not None and wide.split_k == 1
+    narrow = skinny.tiles(64, 4096, 14336)
+    assert narrow is not None and narrow.split_k > 1
+    assert 14336 % (narrow.block_k * narrow.split_k) == 0
+    assert skinny.tiles(8, 4000, 4096) is None  # rows not a multiple of the row tile
+    assert [skinny.block_m(m) for m in (2, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checked on the device itself")
+def test_skinny_kernel_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.nn import functional as F
+        from engine.layers import skinny
+        torch.manual_seed(0)
+        for m, split, bias in [(3, 1, True), (16, 4, False), (33, 2, True)]:
+            t = skinny.Tiles(64, 32, split, 4, 1)
+            x = torch.randn(m, 256, dtype=torch.float16)
+            w = torch.randn(128, 256, dtype=torch.float16) * 0.05
+            b = torch.randn(128, dtype=torch.float16) if bias else None
+            ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+            for _ in range(2):  # the second call finds the counters reset
+                got = skinny.run_skinny(x, w, b, t).float()
+                assert (got - ref).abs().max() < 2e-2, (m, split, (got - ref).abs().max())
         print("ok")
         """
     )
@@ -96,3 +142,41 @@ def test_gemv_matches_f_linear_on_cuda(n: int, k: int) -> None:
     got = gemv.silu_mul_linear(gu, w, lambda t: None)  # the fused path never calls it
     rel = (got.double() - ref).norm() / ref.norm()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SHAPES[:4])
+@pytest.mark.parametrize("m", [2, 3, 8, 17, 64])
+def test_few_rows_match_f_linear_on_cuda(m: int, n: int, k: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if m <= 32:  # at 64 rows cuBLAS keeps the smaller matrices
+        assert skinny.fits(torch.empty(m, k, device="cuda", dtype=torch.bfloat16), w) is not None
+    for bias in (b, None):
+        for _ in range(2):  # fresh inputs; the second call finds the counters reset
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = gemv.linear(x, w, bias)
+            assert got.shape == (m, n)
+            rel = (got.double() - ref).norm() / ref.norm()
+            assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+def test_few_rows_replay_in_a_graph() -> None:
+    """Split products inside a captured graph: each replay's result is the
+    product of the inputs copied in before it."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    x = torch.randn(32, 14336, device="cuda", dtype=torch.bfloat16, generator=gen)
+    assert skinny.tiles(32, 4096, 14336).split_k > 1
+    gemv.linear(x, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.linear(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=gen))
+        graph.replay()
+        ref = F.linear(x.double(), w.double())
+        assert (out.double() - ref).norm() / ref.norm() < 1e-2

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn import functional as F
 
+from engine.layers import skinny
+
 
 class Tiles(NamedTuple):
     block_n: int
@@ -96,11 +98,15 @@ def _fits(x: torch.Tensor, w: torch.Tensor, k: int) -> Tiles | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; one-row CUDA inputs through the GEMV kernel."""
+    """``F.linear(x, weight, bias)``; one-row CUDA inputs through the GEMV kernel,
+    a few rows through ``engine.layers.skinny``'s."""
     t = _fits(x, weight, x.shape[-1])
-    if t is None:
-        return F.linear(x, weight, bias)
-    return run_gemv(x, weight, bias, t)
+    if t is not None:
+        return run_gemv(x, weight, bias, t)
+    s = skinny.fits(x, weight)
+    if s is not None:
+        return skinny.run_skinny(x, weight, bias, s)
+    return F.linear(x, weight, bias)
 
 
 def run_gemv(
