@@ -1,7 +1,10 @@
-"""One-row products (batch-1 decode) on CUDA: cuBLAS against the GEMV kernels.
+"""One-row and few-row products (small-batch decode) on CUDA: cuBLAS against
+the GEMV kernels and the few-row kernel.
 
     python benchmarks/bench_gemv.py --model llama-3.1-8b
     python benchmarks/bench_gemv.py --model llama-3.1-8b --sweep     # search the tiles
+    python benchmarks/bench_gemv.py --model llama-3.1-8b --rows 2 8 16 32 64 \
+        --rows-sweep 8 32 64                          # few rows, tiles searched at 8/32/64
 
 For each weight of the model's decoder layer (QKV, o, gate/up, down) and its
 LM head, a ``[1, K]`` bf16 input is multiplied by enough copies of a random
@@ -10,7 +13,9 @@ layer's weights are new), inside a CUDA graph, timed with CUDA events:
 ``F.linear`` (cuBLAS), ``engine.layers.gemv.linear`` with the tiles it picks,
 and for the down projection ``silu_mul_linear`` (SiLU-and-mul read inside the
 product) against the two steps. ``--sweep`` also times every tile of a grid and
-reports the fastest. Each kernel's result is checked against a float64
+reports the fastest. ``--rows`` times ``[M, K]`` inputs the same way on cuBLAS
+and ``engine.layers.skinny`` (the tiles it picks; ``--rows-sweep`` searches its
+grid for the given M). Each kernel's result is checked against a float64
 product. Writes a JSON record to ``--output-file``.
 """
 

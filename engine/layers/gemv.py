@@ -10,9 +10,10 @@ down through split-K plus a reduction kernel). The Triton kernel here streams
 takes the SiLU-and-mul of the MLP into the down projection's loads (one kernel
 less per layer).
 
-Used for a ``[1, K]`` bf16/fp16 input on CUDA whose shape fits the tiles; any
-other input goes to ``F.linear`` (or the unfused pair), and so does every
-input on the CPU.
+Used for a ``[1, K]`` bf16/fp16 input on CUDA whose shape fits the tiles;
+``linear`` gives inputs of a few rows to ``engine.layers.skinny`` where its
+tiles apply, and any other input to ``F.linear`` (``silu_mul_linear`` to the
+unfused pair), as it does every input on the CPU.
 """
 
 from __future__ import annotations
