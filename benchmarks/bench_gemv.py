@@ -168,7 +168,7 @@ def bench_rows(name: str, n: int, k: int, m: int, args: argparse.Namespace) -> d
             if (
                 n % bn
                 or k % (bk * split)
-                or split * n * skinny.block_m(m) * 4 > skinny.PARTIAL_BYTES
+                or (split > 1 and split * n * skinny.block_m(m) * 4 > skinny.PARTIAL_BYTES)
             ):
                 continue
             t = skinny.Tiles(bn, bk, split, warps, stages)

@@ -6,8 +6,8 @@ serves them with tiles sized for its M dimension, i.e. the rows; the kernel
 here computes ``out.T = W @ x.T`` instead, so the matrix units' wide side runs
 over the weight's output rows (``BLOCK_N``) and the narrow one over the input
 rows (``BLOCK_M``, the row count rounded up to a power of two, at least 16).
-Outputs with few row tiles (a 4096-wide projection makes 64 tiles of 64) are
-split over K as well, so that every SM streams weights: each split stores its
+Outputs with few row tiles and a long K (the down projection: 64 tiles of 64)
+are split over K as well where that measured faster: each split stores its
 float32 partial, and the last split of a tile to arrive (counted with an
 atomic) adds them up and writes the output, so the product stays one kernel.
 
@@ -44,29 +44,38 @@ def block_m(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
+_TILES: dict[tuple[str, int], Tiles | None] = {
+    ("small", 16): Tiles(64, 256, 1, 4, 4),
+    ("small", 32): Tiles(64, 256, 1, 4, 4),
+    ("small", 64): None,
+    ("long_k", 16): Tiles(64, 256, 1, 4, 5),
+    ("long_k", 32): Tiles(64, 256, 2, 4, 4),
+    ("long_k", 64): Tiles(64, 128, 2, 4, 5),
+    ("wide", 16): Tiles(128, 128, 1, 4, 4),
+    ("wide", 32): Tiles(128, 128, 1, 4, 4),
+    ("wide", 64): Tiles(128, 64, 1, 4, 4),
+}
+"""(kind of weight, input-row tile) -> tiles; None: cuBLAS was as fast. Measured
+on an H200 over Llama-3.1-8B's shapes (``benchmarks/bench_gemv.py --rows``):
+"small" is a matrix of at most 8192 x 4096 (QKV, o), "long_k" one with K of
+8192 or more (down), "wide" the rest (gate/up, LM head). Each entry fits the
+SM's shared memory at its own row tile only."""
+
+
 def tiles(m: int, n: int, k: int) -> Tiles | None:
     """The tiles for ``m`` rows against an ``[n, k]`` weight, or None where the
     kernel does not apply (cuBLAS serves it)."""
     if not 2 <= m <= MAX_ROWS:
         return None
-    # Measured on an H200 over Llama-3.1-8B's shapes (benchmarks/bench_gemv.py
-    # --rows): long K tiles for the smaller matrices, whose 64-row products
-    # cuBLAS serves as fast; wide N tiles for the wide ones; only long K split.
-    wide_rows = block_m(m) >= 64
-    if n * k <= 8192 * 4096:
-        if wide_rows:
-            return None
-        block_n, block_k = 64, 256
-    elif k >= 8192:
-        block_n, block_k = 64, 128 if wide_rows else 256
-    else:
-        block_n, block_k = 128, 64 if wide_rows else 128
-    split = 2 if k >= 8192 and n // block_n < 128 else 1
-    if n % block_n or k % (block_k * split):
+    kind = "small" if n * k <= 8192 * 4096 else "long_k" if k >= 8192 else "wide"
+    t = _TILES[kind, block_m(m)]
+    if t is None or n % t.block_n or k % (t.block_k * t.split_k):
         return None
-    if split > 1 and (split * n * block_m(m) * 4 > PARTIAL_BYTES or n // block_n > MAX_ROW_TILES):
+    if t.split_k > 1 and (
+        t.split_k * n * block_m(m) * 4 > PARTIAL_BYTES or n // t.block_n > MAX_ROW_TILES
+    ):
         return None
-    return Tiles(block_n, block_k, split, 4, 4)
+    return t
 
 
 @cache
