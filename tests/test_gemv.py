@@ -25,6 +25,20 @@ def test_tiles_fit_the_shapes_or_refuse() -> None:
     assert gemv.tiles(30001, 8192) is None  # rows not a multiple of the row tile
 
 
+def _interpreted(code: str) -> None:
+    """Run ``code`` in a child process under Triton's interpreter; it prints "ok"."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def test_cpu_inputs_keep_f_linear() -> None:
     x, w, b = torch.randn(1, 256), torch.randn(8, 256), torch.randn(8)
     assert torch.equal(gemv.linear(x, w, b), F.linear(x, w, b))
@@ -44,7 +58,7 @@ def test_kernels_under_the_interpreter() -> None:
         """
         import torch
         from torch.nn import functional as F
-        from engine.layers import gemv, skinny
+        from engine.layers import gemv
         torch.manual_seed(0)
         t = gemv.Tiles(4, 128, 4, 1)
         x = torch.randn(1, 512, dtype=torch.float16)
@@ -64,26 +78,18 @@ def test_kernels_under_the_interpreter() -> None:
         print("ok")
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    _interpreted(code)
 
 
-def test_skinny_tiles_split_narrow_outputs_only() -> None:
+def test_skinny_tiles_cover_the_few_row_range() -> None:
     assert skinny.tiles(1, 4096, 4096) is None  # one row: the GEMV kernel's
     assert skinny.tiles(65, 4096, 4096) is None  # beyond the few-row range: cuBLAS
     wide = skinny.tiles(64, 28672, 4096)
     assert wide is not None and wide.split_k == 1
-    narrow = skinny.tiles(64, 4096, 14336)
+    narrow = skinny.tiles(64, 4096, 14336)  # 64 row tiles: split over the long K
     assert narrow is not None and narrow.split_k > 1
     assert 14336 % (narrow.block_k * narrow.split_k) == 0
+    assert skinny.tiles(64, 6144, 4096) is None  # cuBLAS keeps QKV at 64 rows
     assert skinny.tiles(8, 4000, 4096) is None  # rows not a multiple of the row tile
     assert [skinny.block_m(m) for m in (2, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
 
@@ -109,16 +115,7 @@ def test_skinny_kernel_under_the_interpreter() -> None:
         print("ok")
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    _interpreted(code)
 
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (1536, 896)]
