@@ -15,6 +15,8 @@ uses can be set from a measurement::
         --context-lens 1024 4096
     python benchmarks/bench_attention.py --batch-sizes 64 256 --variants \\
         fa2:auto:NHD fa2:none:NHD fa3:auto:NHD cuda-core:auto:NHD fa2:auto:HND
+    python benchmarks/bench_attention.py --batch-sizes 256 --pool-layers 32 \\
+        --between-gemm 28672 4096     # the calls between compute-bound products
 """
 
 from __future__ import annotations
@@ -132,8 +134,20 @@ def time_kernel(
             cache = tuple(c.view(c.shape[0], args.num_kv_heads, ps, args.head_dim) for c in cache)
         caches.append(cache)
 
+    gemm: tuple[torch.Tensor, torch.Tensor] | None = None
+    if args.between_gemm:
+        # A decoder layer's gate/up product at this batch between the calls,
+        # as the decode graph runs them (the tensor cores busy in between).
+        n, k = args.between_gemm
+        gemm = (
+            torch.randn(batch_size, k, dtype=kv.dtype, device=device),
+            torch.randn(n, k, dtype=kv.dtype, device=device) * 0.02,
+        )
+
     def step() -> None:
         for layer in range(args.layers):
+            if gemm is not None:
+                torch.nn.functional.linear(*gemm)
             wrapper.run(q, caches[layer % len(caches)], out=out)
 
     side = torch.cuda.Stream(device)
@@ -154,7 +168,23 @@ def time_kernel(
         torch.cuda.synchronize(device)
         if i >= 3:
             times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    if gemm is None:
+        return statistics.median(times)
+    # With products in between, the attention's own kernels are timed from a
+    # profile of one replay.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize(device)
+    return (
+        sum(
+            e.device_time_total
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "flashinfer" in e.name
+        )
+        / 1e3
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--q-in-qkv",
         action="store_true",
         help="queries as a strided view into a fused QKV output, as the engine passes them",
+    )
+    ap.add_argument(
+        "--between-gemm",
+        type=int,
+        nargs=2,
+        metavar=("N", "K"),
+        help="run a [batch, K] x [K, N] product before each call, as a layer's GEMMs "
+        "run between the decode graph's attention calls, and time the attention "
+        "kernels alone from a profile (e.g. 28672 4096: Llama-3.1-8B's gate/up)",
     )
     ap.add_argument("--reps", type=int, default=20, help="timed replays (default: 20)")
     ap.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
