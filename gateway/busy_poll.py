@@ -17,7 +17,8 @@ steps is then what bounds the throughput).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+
+from protocol.aio import cancel_and_wait
 
 MAX_IN_FLIGHT = 8
 
@@ -63,10 +64,7 @@ class BusyPoller:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _spin(self) -> None:
         loop = asyncio.get_running_loop()

@@ -48,6 +48,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol import to_gateway, to_worker
+from protocol.aio import cancel_and_wait
 from protocol.auth import ClusterKeys, secure_client
 from protocol.stages import FIRST_TOKEN_RECEIVED, StageClock
 from protocol.to_gateway import TokenDelta
@@ -252,11 +253,7 @@ class WorkerClient:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._flush(), 1.0)
         self._fail_all(WorkerClientClosed("client closed"))
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         if self._sock is not None:
             if self._monitor is not None:

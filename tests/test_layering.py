@@ -41,6 +41,7 @@ TORCH_FREE = [
     "protocol.prometheus",
     "protocol.tracing",
     "protocol.host",
+    "protocol.aio",
     "gateway.__main__",
     "gateway.app",
     "worker.cli",

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from protocol import tokenizer_files
+from protocol.aio import cancel_and_wait
 from protocol.prometheus import HistogramFamily
 from worker.config import WorkerConfig
 from worker.engine_proc import decode_ctrl, encode_ctrl, engine_main, setup_logging
@@ -181,10 +182,7 @@ class EngineHandle:
                 log.warning("engine process ignored SIGTERM; killing it")
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 5.0)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        await cancel_and_wait(self._reader)
         for fut in self._pending.values():
             if not fut.done():
                 fut.cancel()
@@ -526,11 +524,7 @@ async def _serve(config: WorkerConfig, role: Role) -> str | None:
             return f"HTTP server on {config.host}:{config.port} failed to start"
         return state.failure
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
         await engine.stop()
         http_sock.close()
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -13,6 +12,7 @@ from gateway.routing.config import RouterConfig
 from gateway.routing.probe import WorkerProbe, WorkerUnreachable
 from gateway.routing.router import Router
 from gateway.routing.workers import WorkerInfo
+from protocol.aio import cancel_and_wait
 
 log = logging.getLogger("gateway.router")
 
@@ -127,10 +127,7 @@ class HealthChecker:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         await self.probe.close()
 
     async def __aenter__(self) -> HealthChecker:
