@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -103,6 +104,25 @@ class Harness:
             self.step()
 
 
+@contextlib.contextmanager
+def pd_loops(
+    model_dir: str, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None
+) -> Iterator[tuple[PrefillLoop, DecodeLoop]]:
+    """A prefill and a decode loop on the tests' configs (``prefill``, ``decode``:
+    settings overridden), both closed at the end."""
+    p = PrefillLoop(worker_config(model_dir, "prefill", **(prefill or {})))
+    try:
+        d = DecodeLoop(worker_config(model_dir, "decode", **(decode or {})))
+    except BaseException:
+        p.close()
+        raise
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+
+
 def assert_pools_idle(loop) -> None:
     s = loop.stats()
     assert s["running"] == 0 and s["waiting"] == 0
@@ -147,13 +167,11 @@ def test_pd_matches_colocated(model_dir: str, decode_cache: bool, backend: str) 
     expected = llm.generate(
         prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     )
-    p = PrefillLoop(worker_config(model_dir, "prefill", transfer_backend=backend))
-    d = DecodeLoop(
-        worker_config(
-            model_dir, "decode", enable_prefix_cache=decode_cache, transfer_backend=backend
-        )
-    )
-    try:
+    with pd_loops(
+        model_dir,
+        prefill=dict(transfer_backend=backend),
+        decode=dict(enable_prefix_cache=decode_cache, transfer_backend=backend),
+    ) as (p, d):
         h = Harness(p, d)
         for i, prompt in enumerate(prompts):
             h.submit(f"r{i}", prompt, spec)
@@ -172,9 +190,6 @@ def test_pd_matches_colocated(model_dir: str, decode_cache: bool, backend: str) 
         assert p.stats()["transfers_ok"] == 32
         assert_pools_idle(p)
         assert_pools_idle(d)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_handshake_mismatch_and_token(model_dir: str, tmp_path) -> None:
@@ -197,10 +212,8 @@ def test_handshake_mismatch_and_token(model_dir: str, tmp_path) -> None:
 
 
 def test_duplicate_room_and_abort(model_dir: str) -> None:
-    p = PrefillLoop(worker_config(model_dir, "prefill"))
-    d = DecodeLoop(worker_config(model_dir, "decode"))
     spec = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    try:
+    with pd_loops(model_dir) as (p, d):
         h = Harness(p, d)
         h.submit("a", list(range(10, 40)), spec, room="same")
         h.submit("b", list(range(10, 30)), spec, room="same")
@@ -223,17 +236,14 @@ def test_duplicate_room_and_abort(model_dir: str) -> None:
         assert h.finish["a"].finish_reason == "abort"
         assert_pools_idle(p)
         assert_pools_idle(d)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_prefill_never_answers(model_dir: str) -> None:
     """Decode reserved pages but the prefill engine got no request: the room
     fails within the transfer timeout and the pages come back."""
-    p = PrefillLoop(worker_config(model_dir, "prefill", transfer_timeout_s=1.0))
-    d = DecodeLoop(worker_config(model_dir, "decode", transfer_timeout_s=1.0))
-    try:
+    with pd_loops(
+        model_dir, prefill=dict(transfer_timeout_s=1.0), decode=dict(transfer_timeout_s=1.0)
+    ) as (p, d):
         h = Harness(p, d)
         h.tokens["lonely"] = []
         spec = SamplingParams(max_tokens=4, temperature=0.0)
@@ -244,9 +254,6 @@ def test_prefill_never_answers(model_dir: str) -> None:
         assert time.monotonic() - t0 < 8
         assert_pools_idle(d)
         assert_pools_idle(p)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_worker_config_is_frozen(model_dir: str) -> None:
@@ -261,10 +268,8 @@ def test_reserve_before_prefill(model_dir: str) -> None:
     prompt = list(range(10, 40))
     spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     expected = LLM(model_dir, page_size=4, num_pages=256).generate([prompt], spec)[0]
-    p = PrefillLoop(worker_config(model_dir, "prefill"))
-    d = DecodeLoop(worker_config(model_dir, "decode"))
-    p_start, d_start = p.stats(), d.stats()
-    try:
+    with pd_loops(model_dir) as (p, d):
+        p_start, d_start = p.stats(), d.stats()
         h = Harness(p, d)
         h.tokens["r"] = []
         d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
@@ -284,9 +289,6 @@ def test_reserve_before_prefill(model_dir: str) -> None:
         assert p.stats()["transfers_ok"] == d.stats()["transfers_ok"] == 1
         assert_pool_back(p, p_start, cached=True)
         assert_pool_back(d, d_start, cached=True)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_prefill_computes_while_its_reservation_is_on_the_way(model_dir: str) -> None:
@@ -297,10 +299,8 @@ def test_prefill_computes_while_its_reservation_is_on_the_way(model_dir: str) ->
     prompt = list(range(10, 80))
     spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     expected = LLM(model_dir, page_size=4, num_pages=256).generate([prompt], spec)[0]
-    p = PrefillLoop(worker_config(model_dir, "prefill"))
-    d = DecodeLoop(worker_config(model_dir, "decode"))
-    p_start, d_start = p.stats(), d.stats()
-    try:
+    with pd_loops(model_dir) as (p, d):
+        p_start, d_start = p.stats(), d.stats()
         h = Harness(p, d)
         # A new peer: the Prefill waits for the handshake and the reservation.
         h.tokens["first"] = []
@@ -327,9 +327,6 @@ def test_prefill_computes_while_its_reservation_is_on_the_way(model_dir: str) ->
         assert p.stats()["transfers_ok"] == d.stats()["transfers_ok"] == 2
         assert_pool_back(p, p_start, cached=True)
         assert_pool_back(d, d_start, cached=True)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_abort_room_before_prefill(model_dir: str) -> None:
@@ -338,10 +335,8 @@ def test_abort_room_before_prefill(model_dir: str) -> None:
     answered "abort" without computing anything."""
     prompt = list(range(10, 40))
     spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    p = PrefillLoop(worker_config(model_dir, "prefill"))
-    d = DecodeLoop(worker_config(model_dir, "decode"))
-    p_start, d_start = p.stats(), d.stats()
-    try:
+    with pd_loops(model_dir) as (p, d):
+        p_start, d_start = p.stats(), d.stats()
         h = Harness(p, d)
         h.tokens["r"] = []
         d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
@@ -366,9 +361,6 @@ def test_abort_room_before_prefill(model_dir: str) -> None:
         assert s["transfers_ok"] == s["transfers_failed"] == 0
         assert_pool_back(p, p_start)
         assert_pool_back(d, d_start)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_abort_before_reserve_lands(model_dir: str) -> None:
@@ -376,10 +368,8 @@ def test_abort_before_reserve_lands(model_dir: str) -> None:
     late Reserve must not bring the aborted room back to compute."""
     prompt = list(range(10, 40))
     spec = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    p = PrefillLoop(worker_config(model_dir, "prefill"))
-    d = DecodeLoop(worker_config(model_dir, "decode"))
-    p_start, d_start = p.stats(), d.stats()
-    try:
+    with pd_loops(model_dir) as (p, d):
+        p_start, d_start = p.stats(), d.stats()
         h = Harness(p, d)
         h.tokens["r"] = []
         d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
@@ -398,9 +388,6 @@ def test_abort_before_reserve_lands(model_dir: str) -> None:
         assert p.stats()["prefix_cache_query_tokens"] == 0
         assert_pool_back(p, p_start)
         assert_pool_back(d, d_start)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_decode_drops_dead_prefill(model_dir: str) -> None:
