@@ -88,17 +88,30 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref).norm() / ref.norm())
 
 
-def bench_shape(name: str, n: int, k: int, args: argparse.Namespace) -> dict[str, Any]:
-    gen = torch.Generator(device="cuda").manual_seed(n + k)
+def operands(
+    n: int, k: int, m: int, seed: int
+) -> tuple[torch.Generator, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(the generator, enough ``[n, k]`` weights that L2 holds none of them, an
+    ``[m, k]`` input, its float64 product with the first weight)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     copies = max(2, int(L2_BYTES // (n * k * 2)))
     ws = [
         torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         for _ in range(copies)
     ]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ref = F.linear(x.double(), ws[0].double())
-    nbytes = n * k * 2
-    row: dict[str, Any] = {"name": name, "n": n, "k": k, "weight_bytes": nbytes}
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return gen, ws, x, F.linear(x.double(), ws[0].double())
+
+
+def add_rates(row: dict[str, Any]) -> None:
+    """A TB/s entry beside each ``*_us`` timing of ``row`` (its weight's bytes)."""
+    for key in [k_ for k_ in row if k_.endswith("_us")]:
+        row[key.removesuffix("_us") + "_tbps"] = row["weight_bytes"] / row[key] / 1e6
+
+
+def bench_shape(name: str, n: int, k: int, args: argparse.Namespace) -> dict[str, Any]:
+    gen, ws, x, ref = operands(n, k, 1, n + k)
+    row: dict[str, Any] = {"name": name, "n": n, "k": k, "weight_bytes": n * k * 2}
     row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws], args.reps)
     tiles = gemv.tiles(n, k)
     row["tiles"] = None if tiles is None else tiles._asdict()
@@ -134,8 +147,7 @@ def bench_shape(name: str, n: int, k: int, args: argparse.Namespace) -> dict[str
                 best = (us, t, rel_err(gemv.run_gemv(x, ws[0], None, t), ref))
         if best is not None:
             row["sweep_best"] = {"us": best[0], "tiles": best[1]._asdict(), "rel_err": best[2]}
-    for key in [k_ for k_ in row if k_.endswith("_us")]:
-        row[key.removesuffix("_us") + "_tbps"] = nbytes / row[key] / 1e6
+    add_rates(row)
     return row
 
 
@@ -143,14 +155,7 @@ def bench_rows(name: str, n: int, k: int, m: int, args: argparse.Namespace) -> d
     """``m`` rows against the ``[n, k]`` weight: cuBLAS, the few-row kernel with
     the tiles it picks and, if ``m`` is in ``--rows-sweep``, the fastest tiles of
     the grid."""
-    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
-    copies = max(2, int(L2_BYTES // (n * k * 2)))
-    ws = [
-        torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-        for _ in range(copies)
-    ]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ref = F.linear(x.double(), ws[0].double())
+    _, ws, x, ref = operands(n, k, m, n + k + m)
     row: dict[str, Any] = {"name": name, "rows": m, "n": n, "k": k, "weight_bytes": n * k * 2}
     row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws], args.reps)
     chosen = skinny.tiles(m, n, k)
@@ -165,13 +170,9 @@ def bench_rows(name: str, n: int, k: int, m: int, args: argparse.Namespace) -> d
         for bn, bk, split, warps, stages in itertools.product(
             args.rows_block_n, args.rows_block_k, args.rows_split, args.rows_warps, args.rows_stages
         ):
-            if (
-                n % bn
-                or k % (bk * split)
-                or (split > 1 and split * n * skinny.block_m(m) * 4 > skinny.PARTIAL_BYTES)
-            ):
-                continue
             t = skinny.Tiles(bn, bk, split, warps, stages)
+            if not skinny.applies(t, m, n, k):
+                continue
             try:
                 err = rel_err(skinny.run_skinny(x, ws[0], None, t), ref)
                 us = graph_us(
@@ -186,8 +187,7 @@ def bench_rows(name: str, n: int, k: int, m: int, args: argparse.Namespace) -> d
                 best = (us, t, err)
         if best is not None:
             row["sweep_best"] = {"us": best[0], "tiles": best[1]._asdict(), "rel_err": best[2]}
-    for key in [k_ for k_ in row if k_.endswith("_us")]:
-        row[key.removesuffix("_us") + "_tbps"] = row["weight_bytes"] / row[key] / 1e6
+    add_rates(row)
     return row
 
 

@@ -69,13 +69,17 @@ def tiles(m: int, n: int, k: int) -> Tiles | None:
         return None
     kind = "small" if n * k <= 8192 * 4096 else "long_k" if k >= 8192 else "wide"
     t = _TILES[kind, block_m(m)]
-    if t is None or n % t.block_n or k % (t.block_k * t.split_k):
-        return None
-    if t.split_k > 1 and (
-        t.split_k * n * block_m(m) * 4 > PARTIAL_BYTES or n // t.block_n > MAX_ROW_TILES
-    ):
-        return None
-    return t
+    return t if t is not None and applies(t, m, n, k) else None
+
+
+def applies(t: Tiles, m: int, n: int, k: int) -> bool:
+    """Whether ``t`` tiles ``m`` rows against an ``[n, k]`` weight: whole tiles
+    and, when split, partials and counters within the device's scratch."""
+    if n % t.block_n or k % (t.block_k * t.split_k):
+        return False
+    return t.split_k == 1 or (
+        t.split_k * n * block_m(m) * 4 <= PARTIAL_BYTES and n // t.block_n <= MAX_ROW_TILES
+    )
 
 
 @cache
