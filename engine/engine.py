@@ -52,6 +52,13 @@ class Engine:
         assert self.config.context_length is not None
         return self.config.context_length
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt plus output one request may have: the context length,
+        or fewer where the KV pool cannot hold that many tokens."""
+        pool_tokens = self.runner.pool.allocator.capacity * self.config.page_size
+        return min(self.context_length, pool_tokens)
+
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.scheduler.add(self.build_request(rid, prompt_ids, params))
 
@@ -68,19 +75,16 @@ class Engine:
                 f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})"
             )
         n = len(prompt_ids)
-        if n >= self.context_length:
+        limit = self.max_model_len
+        if n >= limit:
+            held = "" if limit == self.context_length else " (what the KV pool holds)"
             raise EngineRequestError(
-                f"prompt has {n} tokens; the context length is {self.context_length} "
-                "and at least one token must be generated"
+                f"prompt has {n} tokens; this model serves at most {limit} tokens of "
+                f"prompt plus output{held} and at least one token must be generated"
             )
-        max_total = min(n + params.max_tokens, self.context_length)
-        pages = -(-max_total // self.config.page_size)
-        capacity = self.runner.pool.allocator.capacity
-        if pages > capacity:
-            raise EngineRequestError(
-                f"prompt ({n}) plus max_tokens ({params.max_tokens}) needs {pages} KV pages "
-                f"but the pool holds {capacity}"
-            )
+        # Like the context length, the pool caps the output: the request ends
+        # with finish_reason "length" where the pool would run out.
+        max_total = min(n + params.max_tokens, limit)
         # Unseeded requests still get a fixed stream of their own, so that a
         # retraction and recompute draws the same tokens again.
         seed = params.seed % (1 << 31) if params.seed is not None else self._rng.randrange(1 << 31)

@@ -127,6 +127,11 @@ class ModelRunner:
                 device=config.device,
             )
         )
+        self.pool_sizing: dict[str, object] = {
+            "num_pages": config.num_pages,
+            "max_tokens": (config.num_pages - 1) * config.page_size,
+        }
+        """How the KV pool was sized (for /server_info and the start-up log)."""
         self.attn = get_attention_backend(config.attention_backend)(
             self.pool, num_heads, num_kv_heads, model_config.head_dim
         )
@@ -141,6 +146,11 @@ class ModelRunner:
                     config.cuda_graph_max_bs,
                     max_pages_per_request=-(-config.context_length // config.page_size),
                 )
+
+    @property
+    def graph_max_bs(self) -> int:
+        """Largest decode batch replayed as a CUDA graph (0: none)."""
+        return self.graphs.max_batch_size if self.graphs is not None else 0
 
     @property
     def rank_pids(self) -> list[int]:

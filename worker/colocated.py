@@ -18,7 +18,6 @@ from worker.loop import (
     error_delta,
     step_delta,
     timed_overlap_step,
-    tp_info,
 )
 
 
@@ -95,24 +94,6 @@ class ColocatedLoop(WorkerLoop):
 
     def stats(self) -> dict[str, Any]:
         return {**engine_stats(self.engine, "both"), **self._counters}
-
-    def info(self) -> dict[str, Any]:
-        cfg = self.engine.config
-        return {
-            "model": cfg.model,
-            "page_size": cfg.page_size,
-            "context_length": self.engine.context_length,
-            "num_pages": cfg.num_pages,
-            "device": cfg.device,
-            "dtype": str(self.engine.model_config.dtype).removeprefix("torch."),
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "chunk_size": cfg.effective_chunk_size,
-            "max_running_requests": cfg.max_running_requests,
-            "enable_prefix_cache": cfg.enable_prefix_cache,
-            "vocab_size": self.engine.model_config.vocab_size,
-            "eos_token_ids": list(self.engine.model_config.eos_token_ids),
-            **tp_info(self.engine),
-        }
 
     def close(self) -> None:
         for rid in list(self._clients):

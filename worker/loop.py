@@ -95,14 +95,31 @@ class WorkerLoop(ABC):
         return None
 
     def info(self) -> dict[str, Any]:
-        """Static facts for /server_info (model, page size, context length...)."""
+        """Static facts for /server_info (model, page size, context length,
+        how the KV pool was sized...)."""
         facts: dict[str, Any] = {
             "model": self.config.engine.model,
             "page_size": self.config.engine.page_size,
         }
         engine = getattr(self, "engine", None)
         if isinstance(engine, Engine):
-            facts["context_length"] = engine.context_length
+            cfg, mc = engine.config, engine.model_config
+            facts.update(
+                context_length=engine.context_length,
+                max_model_len=engine.max_model_len,
+                num_pages=cfg.num_pages,
+                kv_pool=engine.runner.pool_sizing,
+                device=cfg.device,
+                dtype=str(mc.dtype).removeprefix("torch."),
+                attention_backend=cfg.attention_backend,
+                cuda_graph_max_bs=engine.runner.graph_max_bs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                chunk_size=cfg.effective_chunk_size,
+                max_running_requests=cfg.max_running_requests,
+                enable_prefix_cache=cfg.enable_prefix_cache,
+                vocab_size=mc.vocab_size,
+                eos_token_ids=list(mc.eos_token_ids),
+            )
             facts.update(tp_info(engine))
         return facts
 
