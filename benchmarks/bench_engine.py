@@ -22,7 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_commit, host_info  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import (
+    EngineConfig,  # noqa: E402
+    resolve_device,  # noqa: E402
+)
 from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -120,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "dummy"],
         help="dummy = random weights (implied for presets)",
     )
-    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--device", default="auto", help="torch device (default: %(default)s)")
     ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     ap.add_argument("--attention-backend", default="auto", help="auto, flashinfer or torch_native")
     ap.add_argument(
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         from engine.tiny import ensure_tiny_model
 
         model = str(ensure_tiny_model())
+    args.device = resolve_device(args.device)
     load_format = "dummy" if model in PRESETS else args.load_format
     dtype = args.dtype
     if dtype == "auto" and not args.device.startswith("cuda"):

@@ -13,7 +13,7 @@ Prints a table and writes a JSON record under benchmarks/results/.
 
 ``--pd-requests N`` also runs N disaggregated requests through a real prefill
 and a real decode worker on ``--device`` (``--pd-model``: a model directory,
-e.g. dummy weights from ``benchmarks/dummy_model.py``; default the built-in
+e.g. dummy weights from ``engine/dummy_model.py``; default the built-in
 tiny model) and reports each request's decode-side KV wait, p50/p99
 (``benchmarks/kv_wait.py``); ``--pd-only`` skips the pool-to-pool cases.
 """

@@ -301,7 +301,7 @@ def started(args: argparse.Namespace) -> Iterator[tuple[str | None, Path]]:
         log_dir.mkdir(parents=True, exist_ok=True)
         model = args.model
         if args.dummy_preset:
-            from benchmarks.dummy_model import write_dummy_model
+            from engine.dummy_model import write_dummy_model
 
             name = Path(args.dummy_preset).stem
             model = str(write_dummy_model(args.dummy_preset, Path(tmp) / name))

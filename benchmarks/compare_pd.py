@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_serving  # noqa: E402
-from benchmarks.dummy_model import write_dummy_model  # noqa: E402
 from engine.config import LOAD_FORMATS, EngineConfig  # noqa: E402
+from engine.dummy_model import write_dummy_model  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 from kvtransfer import TRANSFER_BACKENDS  # noqa: E402
 from worker.config import CLUSTER_TOKEN_ENV, WorkerConfig  # noqa: E402
@@ -277,7 +277,7 @@ def add_deployment_flags(group: Any, gateways: str) -> None:
         metavar="NAME",
         help=f"serve a preset in real shapes with random weights ({', '.join(sorted(PRESETS))}, "
         "or a config.json path): builds a config + synthetic tokenizer directory "
-        "(benchmarks/dummy_model.py) in a temp folder and implies --load-format dummy",
+        "(engine/dummy_model.py) in a temp folder and implies --load-format dummy",
     )
     group.add_argument(
         "--transfer-backend",

@@ -34,13 +34,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
     ap.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible)")
     ap.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    ap.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    ap.add_argument(
+        "--device", default="auto", help="torch device, e.g. cpu or cuda:0 (default: %(default)s)"
+    )
     ap.add_argument(
         "--dtype", default="auto", help="auto (from config.json), float32, bfloat16, float16"
     )
     ap.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     ap.add_argument(
-        "--kv-cache-memory-gb", type=float, default=0.25, help="memory for the paged KV pool"
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="memory for the paged KV pool (default: sized from the device on CUDA)",
     )
     args = ap.parse_args(argv)
 

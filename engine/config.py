@@ -28,6 +28,12 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_CHOICES = ("auto", *sorted(ATTENTION_BACKENDS))
 """``auto`` plus the registered attention backends."""
 
+CUDA_TOKEN_BUDGET = 8192
+"""Tokens per forward on CUDA (see the token-budget table in the docs)."""
+CPU_TOKEN_BUDGET = 2048
+CPU_KV_CACHE_GB = 0.25
+"""The KV pool off CUDA, where the device's memory is the host's."""
+
 MODEL_GROUP = "model"
 KV_GROUP = "KV cache and scheduling"
 
@@ -66,8 +72,9 @@ def setting(
 class EngineConfig:
     model: str | None = setting(
         None,
-        help="HF checkpoint directory (config.json + safetensors), or a preset name "
-        "with --load-format dummy (default: the built-in tiny model)",
+        help="checkpoint directory (config.json, tokenizer, safetensors), Hugging Face "
+        "repo id (org/name, downloaded on first use), or a preset name with --load-format "
+        "dummy (llama-3.1-8b, qwen3-8b, ...) (default: the built-in tiny model)",
         group=MODEL_GROUP,
     )
     """None stands for the built-in tiny model, written on first use by
@@ -80,8 +87,8 @@ class EngineConfig:
     )
     device: str = setting(
         "auto",
-        help="torch device, e.g. cpu, cuda, cuda:1; auto picks cuda when available "
-        "(default: %(default)s)",
+        help="torch device, e.g. cpu, cuda:1; auto and cuda mean the current CUDA device "
+        "(normally cuda:0) when there is one, else cpu (default: %(default)s)",
         group=MODEL_GROUP,
     )
     """"auto" for offline engines and workers alike: an engine runs where it can
@@ -101,8 +108,9 @@ class EngineConfig:
     )
     cuda_graph_max_bs: int | None = setting(
         None,
-        help="largest decode batch run as a CUDA graph; 0 disables graphs (default: auto, "
-        "min(--max-running-requests, 64) with flashinfer attention, else 0)",
+        help="largest decode batch run as a CUDA graph; 0 disables graphs; sizes the KV "
+        "pool cannot hold are skipped (default: auto, min(--max-running-requests, 256) "
+        "with flashinfer attention, else 0)",
         group=MODEL_GROUP,
     )
     tp_size: int = setting(
@@ -127,18 +135,28 @@ class EngineConfig:
     so a smaller size shares more of partly common prompts."""
     num_pages: int | None = setting(
         None,
-        help="pages in the KV pool (page 0 is reserved); default: sized from --kv-cache-memory-gb",
+        help="pages in the KV pool (page 0 is reserved); overrides the sizing rules "
+        "below (default: auto)",
         group=KV_GROUP,
     )
-    kv_cache_memory_gb: float = setting(
-        0.25,
-        help="memory of the KV pool when --num-pages is not given (default: %(default)s)",
+    kv_cache_memory_gb: float | None = setting(
+        None,
+        help="memory of the KV pool in GiB; overrides --gpu-memory-utilization "
+        f"(default: auto: from --gpu-memory-utilization on CUDA, {CPU_KV_CACHE_GB:g} elsewhere)",
         group=KV_GROUP,
     )
-    max_num_batched_tokens: int = setting(
-        2048,
-        help="token budget of one forward: prefill chunks plus decode tokens "
-        "(default: %(default)s)",
+    gpu_memory_utilization: float = setting(
+        0.9,
+        help="on CUDA, the share of the GPU's total memory this engine may use in all: "
+        "weights, the measured peak of a forward at the token budget, CUDA graphs and the "
+        "KV pool, which gets the rest (never more than was free at start); two workers "
+        "sharing a GPU need a share each, e.g. 0.45 (default: %(default)s)",
+        group=KV_GROUP,
+    )
+    max_num_batched_tokens: int | None = setting(
+        None,
+        help="token budget of one forward: prefill chunks plus decode tokens (default: "
+        f"auto, {CUDA_TOKEN_BUDGET} on CUDA, {CPU_TOKEN_BUDGET} elsewhere)",
         group=KV_GROUP,
     )
     chunk_size: int | None = setting(
@@ -186,9 +204,11 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError("num_pages must be >= 2 (page 0 is reserved)")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
-        if self.max_num_batched_tokens < 1:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
@@ -209,18 +229,32 @@ class EngineConfig:
 
     @property
     def effective_chunk_size(self) -> int:
-        return min(self.chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
+        budget = self.token_budget
+        return min(self.chunk_size or budget, budget)
+
+    @property
+    def token_budget(self) -> int:
+        """``max_num_batched_tokens`` of a resolved config."""
+        assert self.max_num_batched_tokens is not None, "EngineConfig must be resolved first"
+        return self.max_num_batched_tokens
+
+    @property
+    def pool_sized_by(self) -> str:
+        """Which setting sizes the KV pool (of a config with a concrete device)."""
+        if self.num_pages is not None:
+            return "num_pages"
+        if self.kv_cache_memory_gb is not None or not self.device.startswith("cuda"):
+            return "kv_cache_memory_gb"
+        return "gpu_memory_utilization"
 
     def resolve_model_and_device(self) -> EngineConfig:
-        """A new config whose model and device are concrete: the built-in tiny
-        model for None (written on first use), cuda when available for "auto".
+        """A new config whose model and device are concrete: a local directory
+        (``engine.checkpoints``) and an indexed device (``resolve_device``).
         Imports torch: call it where the engine runs."""
-        model = self.model
-        if model is None:
-            from engine.tiny import ensure_tiny_model
+        from engine.checkpoints import local_model_dir
 
-            model = str(ensure_tiny_model())
-        return replace(self, model=model, device=_concrete_device(self.device))
+        model = local_model_dir(self.model, self.load_format)
+        return replace(self, model=model, device=resolve_device(self.device))
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """Fill the 'auto' values from the model (returns a new config)."""
@@ -234,16 +268,20 @@ class EngineConfig:
             num_kv_heads=m.num_kv_heads,
             intermediate_size=m.intermediate_size,
         )
-        device = _concrete_device(self.device)
+        device = resolve_device(self.device)
+        on_cuda = device.startswith("cuda")
         ctx = self.context_length or model_config.max_position_embeddings
         num_pages = self.num_pages
-        if num_pages is None:
+        sized_by = replace(self, device=device).pool_sized_by
+        if sized_by == "kv_cache_memory_gb":
             # Every rank's pool holds the same pages, of its own KV heads.
             kv0, kv1 = kv_head_range(m.num_kv_heads, self.tp_size, 0)
             per_page = KVPoolConfig.bytes_per_page(
                 self.page_size, m.num_layers, kv1 - kv0, m.head_dim, m.dtype
             )
-            num_pages = max(2, int(self.kv_cache_memory_gb * (1 << 30)) // per_page + 1)
+            gb = self.kv_cache_memory_gb or CPU_KV_CACHE_GB
+            num_pages = max(2, int(gb * (1 << 30)) // per_page + 1)
+        # else None on CUDA: the runner sizes the pool from the device's memory.
         backend = self.attention_backend
         if backend == "auto":
             from engine.attention.flashinfer import flashinfer_usable
@@ -262,10 +300,12 @@ class EngineConfig:
             num_pages=num_pages,
             attention_backend=backend,
             cuda_graph_max_bs=graph_bs,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET),
             prefill_per_request=(
                 self.prefill_per_request
                 if self.prefill_per_request is not None
-                else (PREFILL_PER_REQUEST_CUDA if device.startswith("cuda") else 0)
+                else (PREFILL_PER_REQUEST_CUDA if on_cuda else 0)
             ),
         )
 
@@ -275,7 +315,7 @@ class EngineConfig:
         load, not by the decoding count: a cap that follows the decoding count
         starves itself (few decode, so little prefill, so few get to decode)."""
         if not num_decoding or not self.prefill_per_request:
-            return self.max_num_batched_tokens
+            return self.token_budget
         return max(MIN_PREFILL_WHILE_DECODING, self.prefill_per_request * num_requests)
 
 
@@ -286,9 +326,28 @@ streams while prefill keeps pace at 256."""
 MIN_PREFILL_WHILE_DECODING = 256
 
 
-def _concrete_device(device: str) -> str:
-    if device != "auto":
-        return device
+def resolve_device(device: str) -> str:
+    """A concrete, indexed torch device for a ``--device`` value: "auto" is
+    the current CUDA device when there is one, else "cpu"; "cuda" is the
+    current CUDA device ("cuda:0" unless ``CUDA_VISIBLE_DEVICES`` or
+    ``torch.cuda.set_device`` says otherwise). Every entry point resolves
+    through here: ``torch.cuda.set_device`` and the KV transfer agents need
+    an index. Raises ``ValueError`` for a device this machine does not have."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    name = device.strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a torch device ({e})") from None
+    if parsed.type != "cuda":
+        return str(parsed)
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is available here")
+    index = torch.cuda.current_device() if parsed.index is None else parsed.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device {device!r}: only {count} CUDA device(s) are visible")
+    return f"cuda:{index}"

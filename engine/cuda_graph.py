@@ -83,7 +83,9 @@ class DecodeGraphs:
         self.write_slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         num_pages = attn.pool.allocator.num_pages
-        self._max_pages = {s: min(s * max_pages_per_request, num_pages) for s in self.sizes}
+        # Pages a replay's page table may list: the real rows' (at most the
+        # pool) plus page 0 once per padded row.
+        self._max_pages = {s: min(s * max_pages_per_request, num_pages + s) for s in self.sizes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         """Each graph's logits; only read right after its replay (they may share

@@ -30,9 +30,10 @@ class InFlight(NamedTuple):
 class Engine:
     def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
         model_config = ModelConfig.load(config.model, config.torch_dtype)
-        self.config = config.resolve(model_config)
         self.model_config = model_config
-        self.runner = make_runner(self.config, model_config)
+        self.runner = make_runner(config.resolve(model_config), model_config)
+        self.config = self.runner.config
+        """Resolved, with the KV pool's size (the runner may size it from the device)."""
         self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
@@ -77,10 +78,14 @@ class Engine:
         n = len(prompt_ids)
         limit = self.max_model_len
         if n >= limit:
-            held = "" if limit == self.context_length else " (what the KV pool holds)"
+            what = (
+                f"the context length is {limit}"
+                if limit == self.context_length
+                else f"the KV pool holds at most {limit} tokens of prompt plus output "
+                f"(context length {self.context_length})"
+            )
             raise EngineRequestError(
-                f"prompt has {n} tokens; this model serves at most {limit} tokens of "
-                f"prompt plus output{held} and at least one token must be generated"
+                f"prompt has {n} tokens; {what} and at least one token must be generated"
             )
         # Like the context length, the pool caps the output: the request ends
         # with finish_reason "length" where the pool would run out.

@@ -4,24 +4,31 @@ one ``ForwardBatch`` at a time."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from engine.attention import get_attention_backend
+from engine.attention.base import AttentionBackend
 from engine.attention.flashinfer import FlashInferAttention
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.kvcache.pool import KVPool, KVPoolConfig
 from engine.layers.kernels import layer_kernels
+from engine.memory import MemoryPlan, peak_bytes
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import local_heads
 from engine.sampling import SamplingBatch, sample
 from engine.weights import init_dummy_weights, iter_safetensors
+from protocol.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class HostValues(NamedTuple):
@@ -93,16 +100,22 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, tp: TPGroup | None = None
     ) -> None:
         """``tp``: this runner is one rank of a tensor-parallel group; it holds
-        its shard of the model and a pool of its own KV heads."""
-        assert config.num_pages is not None, "EngineConfig must be resolved first"
-        self.config = config
+        its shard of the model and a pool of its own KV heads. ``config`` is
+        resolved (``EngineConfig.resolve``); where it leaves ``num_pages``
+        unset the pool is sized from the device's memory, and ``self.config``
+        is the config with the size filled in."""
+        assert config.context_length is not None, "EngineConfig must be resolved first"
         self.model_config = model_config
         self.tp = tp
         self.device = torch.device(config.device)
+        start = None
         if self.device.type == "cuda":
             # Kernels without an explicit device (graph capture, library
             # workspaces) go to the current device: make it this one.
             torch.cuda.set_device(self.device)
+            if config.num_pages is None:
+                start = torch.cuda.mem_get_info(self.device)
+                weights_from = torch.cuda.memory_allocated(self.device)
         # FlashInfer's fused layer kernels come with its attention; the torch
         # attention backend is the reference, so it gets the reference kernels.
         kernels = layer_kernels(
@@ -115,30 +128,44 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             self.model.load_weights(iter_safetensors(config.model))
-        num_heads, num_kv_heads = local_heads(model_config, tp)
-        self.pool = KVPool(
-            KVPoolConfig(
-                num_pages=config.num_pages,
-                page_size=config.page_size,
-                num_layers=model_config.num_layers,
-                num_kv_heads=num_kv_heads,
-                head_dim=model_config.head_dim,
-                dtype=model_config.dtype,
-                device=config.device,
+        self.num_heads, self.num_kv_heads = local_heads(model_config, tp)
+        if start is None:
+            assert config.num_pages is not None, "EngineConfig must be resolved first"
+            self.pool_sizing: dict[str, object] = {"sized_by": config.pool_sized_by}
+        else:
+            free, total = start
+            plan = self._memory_plan(config, free, total, weights_from)
+            num_pages = plan.num_pages
+            if tp is not None:  # every rank holds the same pages
+                num_pages = tp.all_min(num_pages)
+            log.info(
+                "KV pool: %d pages of %d tokens; %s", num_pages, config.page_size, plan.describe()
             )
+            config = replace(config, num_pages=num_pages)
+            self.pool_sizing = {"sized_by": "gpu_memory_utilization", **plan.as_dict()}
+        assert config.num_pages is not None
+        self.pool = KVPool(self._pool_config(config.num_pages, config))
+        capacity = self.pool.allocator.capacity
+        self.pool_sizing.update(
+            num_pages=config.num_pages,
+            max_tokens=capacity * config.page_size,
+            gb=round(config.num_pages * self.pool.config.page_bytes / (1 << 30), 3),
         )
-        self.pool_sizing: dict[str, object] = {
-            "num_pages": config.num_pages,
-            "max_tokens": (config.num_pages - 1) * config.page_size,
-        }
-        """How the KV pool was sized (for /server_info and the start-up log)."""
-        self.attn = get_attention_backend(config.attention_backend)(
-            self.pool, num_heads, num_kv_heads, model_config.head_dim
-        )
+        if config.cuda_graph_max_bs and config.cuda_graph_max_bs > capacity:
+            # Every request holds a page: a batch larger than the pool never runs.
+            log.warning(
+                "CUDA graphs: batches above %d are not captured (asked for up to %d): the "
+                "KV pool holds %d pages",
+                capacity,
+                config.cuda_graph_max_bs,
+                capacity,
+            )
+            config = replace(config, cuda_graph_max_bs=capacity)
+        self.config = config
+        self.attn = self._attention(self.pool, config)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_max_bs:
             assert isinstance(self.attn, FlashInferAttention)
-            assert config.context_length is not None
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
                     self.model,
@@ -146,6 +173,77 @@ class ModelRunner:
                     config.cuda_graph_max_bs,
                     max_pages_per_request=-(-config.context_length // config.page_size),
                 )
+
+    def _pool_config(self, num_pages: int, config: EngineConfig) -> KVPoolConfig:
+        return KVPoolConfig(
+            num_pages=num_pages,
+            page_size=config.page_size,
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.model_config.dtype,
+            device=config.device,
+        )
+
+    def _attention(self, pool: KVPool, config: EngineConfig) -> AttentionBackend:
+        return get_attention_backend(config.attention_backend)(
+            pool, self.num_heads, self.num_kv_heads, self.model_config.head_dim
+        )
+
+    def _memory_plan(
+        self, config: EngineConfig, free: int, total: int, weights_from: int
+    ) -> MemoryPlan:
+        """The numbers of ``engine.memory``'s rule, measured on this device."""
+        weights = torch.cuda.memory_allocated(self.device) - weights_from
+        activations, graphs = self._profile(config)
+        torch.cuda.empty_cache()  # the throw-away pool and its activations
+        mc = self.model_config
+        return MemoryPlan(
+            total=total,
+            free_at_start=free,
+            utilization=config.gpu_memory_utilization,
+            weights=weights,
+            activations=activations,
+            graphs=graphs,
+            page_bytes=KVPoolConfig.bytes_per_page(
+                config.page_size, mc.num_layers, self.num_kv_heads, mc.head_dim, mc.dtype
+            ),
+        )
+
+    @torch.inference_mode()
+    def _profile(self, config: EngineConfig) -> tuple[int, int]:
+        """Peak bytes of one forward of the token budget over the largest batch
+        (logits and sampling included), and of one decode forward at the
+        largest graph size, each on a throw-away pool that holds just them."""
+        page, vocab = config.page_size, self.model_config.vocab_size
+        tokens = config.token_budget
+        rows = min(config.max_running_requests, tokens)
+        lens = [tokens // rows + (i < tokens % rows) for i in range(rows)]
+        graph_rows = config.cuda_graph_max_bs or 0
+        pages = max(sum(-(-n // page) for n in lens), graph_rows) + 1
+        attn = self._attention(KVPool(self._pool_config(pages, config)), config)
+
+        def forward(lengths: list[int], sampled: bool) -> None:
+            specs, first = [], 1
+            for n in lengths:
+                table = list(range(first, first + -(-n // page)))
+                first += len(table)
+                specs.append(ExtendSpec([i % vocab for i in range(n)], 0, table))
+            batch = build_forward_batch(specs, page, self.device)
+            attn.begin_forward(batch)
+            hidden = self.model(batch.input_ids, batch.positions, attn)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if sampled:
+                n = len(lengths)
+                params = SamplingBatch.build(
+                    [SamplingParams()] * n, range(n), [0] * n, vocab, self.device
+                )
+                sample(logits, params)
+
+        activations = peak_bytes(self.device, lambda: forward(lens, True))
+        if not graph_rows:
+            return activations, 0
+        return activations, peak_bytes(self.device, lambda: forward([1] * graph_rows, False))
 
     @property
     def graph_max_bs(self) -> int:

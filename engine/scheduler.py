@@ -125,7 +125,7 @@ class Scheduler:
         runs one step without overlap."""
         self.starved = False
         self._retracted_now: set[int] = set()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget
         chunk = self.config.effective_chunk_size
         chosen: list[tuple[Request, int]] = []
         taken: set[int] = set()

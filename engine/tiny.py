@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -412,24 +413,29 @@ def _publish(tmp: Path, final: Path) -> Path:
                 os.rename(final, stale)
                 shutil.rmtree(stale, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    raise RuntimeError(f"could not publish tiny model to {final}")
+    raise RuntimeError(f"could not publish a built model to {final}")
 
 
 def ensure_tiny_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Return the tiny model directory, building it first if it is missing.
+    """Return the tiny model directory, building it first if it is missing."""
+    return build_once(tiny_model_dir(cache_dir), _build_into)
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """``final``, built by ``build(tmp_dir)`` first if it is not complete
+    (``build`` writes ``MARKER_NAME`` last).
 
     Idempotent and safe to call concurrently from several processes: each builder writes into its
     own temporary sibling directory and renames it into place atomically; a builder that loses the
     race discards its copy.
     """
-    final = tiny_model_dir(cache_dir)
     if is_complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}{_TMP_INFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        _build_into(tmp)
+        build(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -46,7 +46,7 @@ def _optional_seconds(text: str) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: gateway.embedded imports worker modules,
     # and importing the gateway imports none (its process stays torch-free).
-    from gateway.embedded import EmbeddedConfig
+    from gateway.embedded import EmbeddedConfig, add_embedded_flags
 
     gw, rc, em, ad = GatewayConfig(), RouterConfig(), EmbeddedConfig(), AdmissionConfig()
     ap = argparse.ArgumentParser(
@@ -208,36 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=gw.max_prompt_tokens,
         help="largest prompt in tokens (default: the model's context window)",
     )
-    emb = ap.add_argument_group("embedded workers (used when no --prefill/--decode is given)")
-    emb.add_argument(
-        "--model", default=em.model, help="checkpoint dir (default: the built-in tiny model)"
+    emb = ap.add_argument_group(
+        "embedded workers (used when no --prefill/--decode is given): the workers' own flags"
     )
-    emb.add_argument(
-        "--device", default=em.device, help="device of both workers (default: %(default)s)"
-    )
+    add_embedded_flags(emb)
     emb.add_argument(
         "--prefill-device", default=em.prefill_device, help="device of the prefill worker"
     )
     emb.add_argument(
-        "--decode-device", default=em.decode_device, help="device of the decode worker"
-    )
-    emb.add_argument(
-        "--transfer-backend",
-        default=em.transfer_backend,
-        choices=["tcp", "nixl"],
-        help="KV transfer backend between them (default: %(default)s)",
-    )
-    emb.add_argument(
-        "--page-size",
-        type=int,
-        default=em.page_size,
-        help="tokens per KV page (default: %(default)s)",
-    )
-    emb.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=em.kv_cache_memory_gb,
-        help="KV pool per worker (default: %(default)s)",
+        "--decode-device",
+        default=em.decode_device,
+        help="device of the decode worker (default: with --device auto or cuda and two or "
+        "more GPUs, prefill and decode each on their own; else both on --device, each "
+        "taking half of --gpu-memory-utilization)",
     )
     ap.add_argument("--log-level", default=gw.log_level, choices=LOG_LEVELS)
     return ap
@@ -313,16 +296,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _embedded_config(args: argparse.Namespace) -> EmbeddedConfig:
-    from gateway.embedded import EmbeddedConfig
+    from gateway.embedded import EMBEDDED_SETTINGS, EmbeddedConfig
 
-    return EmbeddedConfig(
-        model=args.model,
-        device=args.device,
+    return EmbeddedConfig.from_settings(
         prefill_device=args.prefill_device,
         decode_device=args.decode_device,
-        transfer_backend=args.transfer_backend,
-        page_size=args.page_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        **{name: getattr(args, name) for name in EMBEDDED_SETTINGS},
     )
 
 

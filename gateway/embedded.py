@@ -3,32 +3,110 @@ prefill and one local decode worker and stops them when it stops."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import secrets
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from worker.config import WorkerConfig
+from worker.config import CLUSTER_TOKEN_ENV, WorkerConfig, flags
 from worker.processes import free_port, stop_processes, wait_http_ok
+
+log = logging.getLogger("gateway")
 
 STOP_TIMEOUT_S = 30.0
 """How long a worker may take to exit after SIGTERM before it is killed."""
+EMBEDDED_SETTINGS = (
+    "model",
+    "load_format",
+    "dtype",
+    "device",
+    "tp_size",
+    "context_length",
+    "attention_backend",
+    "cuda_graph_max_bs",
+    "page_size",
+    "num_pages",
+    "kv_cache_memory_gb",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "chunk_size",
+    "max_running_requests",
+    "enable_prefix_cache",
+    "transfer_backend",
+)
+"""The worker settings the gateway's command line offers for its embedded
+workers: their own flags, from their one definition (``worker.config``)."""
 
 
 @dataclass(frozen=True)
 class EmbeddedConfig:
-    model: str | None = None
-    """Checkpoint dir; None: the built-in tiny model."""
-    device: str = "auto"
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    """The settings both workers share (role, host and port are each one's own)."""
     prefill_device: str | None = None
+    """Overrides ``worker.engine.device`` for the prefill worker."""
     decode_device: str | None = None
-    transfer_backend: str = "tcp"
-    page_size: int = 16
-    kv_cache_memory_gb: float = 0.25
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 600.0
+    """A real model loads, is profiled and captures its graphs within this."""
     extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> EmbeddedConfig:
+        """``EMBEDDED_SETTINGS`` by name (the gateway's flags), plus this
+        class's own fields."""
+        own = {k: settings.pop(k) for k in list(settings) if k not in EMBEDDED_SETTINGS}
+        return cls(worker=WorkerConfig.from_settings(**settings), **own)
+
+    def placement(self, cuda_devices: int) -> tuple[str, str, float]:
+        """The prefill and decode workers' devices and each one's
+        ``gpu_memory_utilization``, with ``cuda_devices`` GPUs visible.
+
+        "auto" and "cuda" mean the GPUs from cuda:0: with enough for both
+        workers' ranks, prefill on the first ``tp_size`` and decode on the
+        next; else both on the same ones. Two workers on one GPU split the
+        share of its memory (``gpu_memory_utilization``) between them."""
+        engine = self.worker.engine
+        base = engine.device
+        if base in ("auto", "cuda") and cuda_devices:
+            base = "cuda:0"
+        elif base == "auto":
+            base = "cpu"
+        prefill, decode = base, base
+        if base == "cuda:0" and cuda_devices >= 2 * engine.tp_size:
+            decode = f"cuda:{engine.tp_size}"
+        prefill, decode = self.prefill_device or prefill, self.decode_device or decode
+        share = engine.gpu_memory_utilization
+        if prefill == decode and prefill.startswith("cuda"):
+            share /= 2
+        return prefill, decode, share
+
+
+def add_embedded_flags(container: argparse._ActionsContainer) -> None:
+    """The ``EMBEDDED_SETTINGS`` flags, as the workers define them."""
+    from worker.cli import add_flag
+
+    for flag in flags():
+        if flag.name in EMBEDDED_SETTINGS:
+            add_flag(container, flag)
+
+
+def cuda_device_count() -> int:
+    """GPUs the workers will see, asked of torch in a child process (the
+    gateway itself never loads torch); 0 without an NVIDIA driver."""
+    if not os.path.exists("/proc/driver/nvidia") and not os.path.exists("/dev/nvidia0"):
+        return 0
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+        )
+        return int(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return 0
 
 
 class EmbeddedWorkers:
@@ -42,28 +120,26 @@ class EmbeddedWorkers:
         self.cluster_token = cluster_token or secrets.token_hex(16)
         """Given, or a fresh one: the embedded workers are never open."""
 
-    def _cmd(self, module: str, role: str, port: int, device: str) -> list[str]:
+    def _cmd(self, module: str, role: str, port: int, device: str, share: float) -> list[str]:
         c = self.config
         # With no model the worker serves the built-in tiny model under its name.
-        worker = WorkerConfig.from_settings(
-            role=role,
-            host="127.0.0.1",
-            port=port,
-            model=c.model,
-            device=device,
-            page_size=c.page_size,
-            kv_cache_memory_gb=c.kv_cache_memory_gb,
-            transfer_backend=c.transfer_backend,
-        )
+        engine = replace(c.worker.engine, device=device, gpu_memory_utilization=share)
+        worker = replace(c.worker, role=role, host="127.0.0.1", port=port, engine=engine)
         return [sys.executable, "-m", module, *worker.to_argv(), *c.extra_args]
 
     def __enter__(self) -> EmbeddedWorkers:
-        c = self.config
-        env = {**os.environ, "DISAGG_CLUSTER_TOKEN": self.cluster_token}
+        env = {**os.environ, CLUSTER_TOKEN_ENV: self.cluster_token}
         ports = (free_port(), free_port())
+        prefill, decode, share = self.config.placement(cuda_device_count())
+        log.info(
+            "embedded workers: prefill on %s, decode on %s%s",
+            prefill,
+            decode,
+            f" (each takes {share:g} of its memory)" if prefill == decode != "cpu" else "",
+        )
         specs = (
-            ("prefill_server", "prefill", ports[0], c.prefill_device or c.device),
-            ("decode_server", "decode", ports[1], c.decode_device or c.device),
+            ("prefill_server", "prefill", ports[0], prefill),
+            ("decode_server", "decode", ports[1], decode),
         )
         try:
             for module, role, port, device in specs:
@@ -71,7 +147,9 @@ class EmbeddedWorkers:
                 # which then stops the workers in order.
                 self.procs.append(
                     subprocess.Popen(
-                        self._cmd(module, role, port, device), env=env, start_new_session=True
+                        self._cmd(module, role, port, device, share),
+                        env=env,
+                        start_new_session=True,
                     )
                 )
             self.prefill_url = f"http://127.0.0.1:{ports[0]}"

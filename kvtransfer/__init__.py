@@ -20,6 +20,22 @@ TRANSFER_BACKENDS: dict[str, str] = {
     "nixl": "kvtransfer.nixl:NixlBackend",
 }
 
+AUTO_BACKEND = "auto"
+TRANSFER_CHOICES = (AUTO_BACKEND, *sorted(TRANSFER_BACKENDS))
+"""The worker's ``--transfer-backend`` choices."""
+
+
+def auto_backend(device: str) -> str:
+    """The backend of ``--transfer-backend auto``: nixl for a worker on a CUDA
+    device where NIXL imports (NVLink and RDMA, CUDA IPC between the GPUs of
+    one host), tcp otherwise. Imports torch on CUDA: call it where the engine runs."""
+    if device.startswith("cuda"):
+        from kvtransfer.nixl import nixl_available
+
+        if nixl_available()[0]:
+            return "nixl"
+    return "tcp"
+
 
 def backend_class(name: str) -> type[TransferBackend]:
     """The backend class registered as ``name``."""

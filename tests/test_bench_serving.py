@@ -33,8 +33,8 @@ from workers import REPO, launch_gateway, log_tail, procs_mentioning
 
 from benchmarks import bench_serving as bench
 from benchmarks import compare_pd, http_stream
-from benchmarks.dummy_model import write_dummy_model
 from benchmarks.fake_openai_server import Timing, serve_in_process
+from engine.dummy_model import write_dummy_model
 from engine.model_config import ModelConfig
 from engine.tiny import MODEL_CONFIG
 from gateway.text import Tokenizer

@@ -162,12 +162,17 @@ def test_request_errors(hf_checkpoint) -> None:
     llm = LLM(str(path), device="cpu", page_size=4, num_pages=12, context_length=64)
     with pytest.raises(EngineRequestError, match="empty"):
         llm.generate([[]])
-    with pytest.raises(EngineRequestError, match="context length is 64"):
+    with pytest.raises(EngineRequestError, match="KV pool holds at most 44 tokens"):
         llm.generate([[5] * 64])
     with pytest.raises(EngineRequestError, match="outside the vocabulary"):
         llm.generate([[5, VOCAB + 3]])
-    with pytest.raises(EngineRequestError, match="KV pages"):
+    # 11 usable pages of 4 tokens: the pool, not the context (64), is the limit.
+    assert llm.engine.max_model_len == 44
+    with pytest.raises(EngineRequestError, match="KV pool holds"):
         llm.generate([[5] * 50], SamplingParams(max_tokens=13))
+    # A prompt that fits has its output cut where the pool would run out.
+    out = llm.generate([[5] * 40], SamplingParams(max_tokens=13, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
     assert_no_leak(llm)
 
 

@@ -1404,8 +1404,9 @@ def test_help_lists_every_flag() -> None:
 
 
 def test_flag_defaults_are_the_config_defaults() -> None:
-    from gateway.__main__ import build_parser
-    from gateway.embedded import EmbeddedConfig
+    from gateway.__main__ import _embedded_config, build_parser
+    from gateway.embedded import EMBEDDED_SETTINGS, EmbeddedConfig
+    from worker.config import WorkerConfig
 
     args = build_parser().parse_args([])
     gw, rc, em = GatewayConfig(), RouterConfig(), EmbeddedConfig()
@@ -1415,9 +1416,14 @@ def test_flag_defaults_are_the_config_defaults() -> None:
         (gw, ("log_level",)),
         (rc, ("prefill_policy", "decode_policy", "skip_prefill_threshold")),
         (rc, ("health_interval_s", "health_timeout_s")),
-        (em, ("model", "device", "prefill_device", "decode_device", "transfer_backend")),
-        (em, ("page_size", "kv_cache_memory_gb")),
+        (em, ("prefill_device", "decode_device")),
     ):
         for name in names:
             assert getattr(args, name) == getattr(cfg, name), name
+    # The embedded workers' flags are the workers' own, with their defaults.
+    worker = WorkerConfig()
+    for name in EMBEDDED_SETTINGS:
+        owner = worker.engine if hasattr(worker.engine, name) else worker
+        assert getattr(args, name) == getattr(owner, name), name
+    assert _embedded_config(args) == em
     assert tuple(args.prefill) == gw.prefill and tuple(args.decode) == gw.decode

@@ -343,7 +343,7 @@ def test_pd_with_flashinfer_matches_offline(tmp_path: Path) -> None:
     the tokens equal the offline engine's (same kernels, batch of one)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.dummy_model import write_dummy_model
+    from engine.dummy_model import write_dummy_model
 
     cfg = {**KERNEL_MODEL, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
     model_dir = write_dummy_model(cfg, tmp_path / "kernel-model")

@@ -544,7 +544,8 @@ def test_startup_failure_exits_with_the_error(tmp_path: Path) -> None:
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("worker failed: ModelConfigError: no config.json"), out.stderr
+    assert last.startswith("worker failed: ModelNotFound: --model"), out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
 
 
 def test_engine_death_stops_the_front(model_dir: str, tmp_path: Path) -> None:

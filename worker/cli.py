@@ -9,7 +9,7 @@ from typing import Any
 
 from worker.config import CLUSTER_TOKEN_ENV as CLUSTER_TOKEN_ENV
 from worker.config import REGISTER_KEY_ENV as REGISTER_KEY_ENV
-from worker.config import WorkerConfig, flags
+from worker.config import Flag, WorkerConfig, flags
 from worker.roles import Role
 
 
@@ -32,23 +32,30 @@ def build_parser(prog: str, roles: Sequence[Role], default_port: int) -> argpars
         title = flag.meta("group")
         if title not in groups:
             groups[title] = ap.add_argument_group(title)
-        kwargs: dict[str, Any] = {"help": flag.meta("help"), "default": flag.default}
-        if flag.meta("env"):
-            # A secret in the environment stays off the command line, which others can read.
-            kwargs["default"] = os.environ.get(flag.meta("env"), flag.default)
-        if flag.kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = flag.parse
-            kwargs["choices"] = flag.meta("choices")
-            kwargs["metavar"] = flag.meta("metavar")
+        overrides: dict[str, Any] = {}
         if flag.name == "role":
-            kwargs["choices"] = [r.name for r in roles]
-            kwargs["default"] = roles[0].name
+            overrides = {"choices": [r.name for r in roles], "default": roles[0].name}
         elif flag.name == "port":
-            kwargs["default"] = default_port
-        groups[title].add_argument(flag.option, **kwargs)
+            overrides = {"default": default_port}
+        add_flag(groups[title], flag, **overrides)
     return ap
+
+
+def add_flag(container: argparse._ActionsContainer, flag: Flag, **overrides: Any) -> None:
+    """Add ``flag`` (name, type, default, choices, help) to a parser or group;
+    ``overrides`` replace ``add_argument`` keywords. The gateway adds the
+    engine flags of its embedded workers through here too."""
+    kwargs: dict[str, Any] = {"help": flag.meta("help"), "default": flag.default}
+    if flag.meta("env"):
+        # A secret in the environment stays off the command line, which others can read.
+        kwargs["default"] = os.environ.get(flag.meta("env"), flag.default)
+    if flag.kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = flag.parse
+        kwargs["choices"] = flag.meta("choices")
+        kwargs["metavar"] = flag.meta("metavar")
+    container.add_argument(flag.option, **{**kwargs, **overrides})
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:

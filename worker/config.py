@@ -22,8 +22,9 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.checkpoints import served_name
 from engine.config import MODEL_GROUP, EngineConfig, setting
-from kvtransfer import TRANSFER_BACKENDS
+from kvtransfer import AUTO_BACKEND, TRANSFER_CHOICES, auto_backend
 from protocol.host import auto_busy_poll_s
 from protocol.host import usable_cores as _usable_cores
 from protocol.roles import BOTH, ROLES
@@ -95,11 +96,12 @@ class WorkerConfig:
         group=MODEL_GROUP,
     )
     transfer_backend: str = setting(
-        "tcp",
-        help="how KV pages move between prefill and decode workers: nixl "
-        "(NVLink/RDMA) or tcp (default: %(default)s)",
+        AUTO_BACKEND,
+        help="how KV pages move between prefill and decode workers: nixl (NVLink/RDMA, "
+        "CUDA IPC within a host) or tcp; auto: nixl on CUDA where it imports (the gpu "
+        "extra), else tcp; prefill and decode must agree (default: %(default)s)",
         group=TRANSFER_GROUP,
-        choices=sorted(TRANSFER_BACKENDS),
+        choices=TRANSFER_CHOICES,
     )
     cluster_token: str | None = setting(
         None,
@@ -165,9 +167,9 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value!r}")
-        if self.transfer_backend not in TRANSFER_BACKENDS:
+        if self.transfer_backend not in TRANSFER_CHOICES:
             raise ValueError(
-                f"transfer_backend must be one of {', '.join(sorted(TRANSFER_BACKENDS))}, "
+                f"transfer_backend must be one of {', '.join(TRANSFER_CHOICES)}, "
                 f"got {self.transfer_backend!r}"
             )
         if self.log_level.lower() not in LOG_LEVELS:
@@ -225,12 +227,12 @@ class WorkerConfig:
         """The served model name."""
         if self.served_model_name:
             return self.served_model_name
-        model = self.engine.model
-        if model is None:
+        name = served_name(self.engine.model)
+        if name is None:
             from engine.tiny import TINY_MODEL_NAME
 
             return TINY_MODEL_NAME
-        return os.path.basename(os.path.normpath(model)) or model
+        return name
 
     @property
     def engine_threads(self) -> int:
@@ -253,20 +255,20 @@ class WorkerConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return self.engine.model is not None and self.engine.device != "auto"
+        return self.engine.model is not None and self.transfer_backend != AUTO_BACKEND
 
     # -- resolution ------------------------------------------------------------
 
     def resolve(self) -> WorkerConfig:
-        """A new config with the model path and device filled in (builds the tiny
-        model on first use and imports torch: call it in the engine process)."""
-        name = self.served_model_name
-        if self.engine.model is None:
-            from engine.tiny import TINY_MODEL_NAME
-
-            name = name or TINY_MODEL_NAME
+        """A new config with the model path, the device and the transfer backend
+        filled in (builds the tiny model or fetches the checkpoint on first use
+        and imports torch: call it in the engine process)."""
+        name = self.served_model_name or self.model_name
         engine = self.engine.resolve_model_and_device()
-        return replace(self, engine=engine, served_model_name=name)
+        backend = self.transfer_backend
+        if backend == AUTO_BACKEND:
+            backend = auto_backend(engine.device)
+        return replace(self, engine=engine, served_model_name=name, transfer_backend=backend)
 
     def with_request_port(self, port: int) -> WorkerConfig:
         return replace(self, request_port=port)

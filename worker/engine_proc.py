@@ -135,7 +135,14 @@ class EngineServer:
         try:
             self._startup()
         except Exception as e:
-            log.error("startup failed:\n%s", traceback.format_exc())
+            # A bad setting or a missing model is said in one line; anything
+            # else is a bug, with its traceback.
+            from engine.checkpoints import ModelNotFound
+            from engine.memory import NotEnoughMemory
+            from engine.model_config import ModelConfigError
+
+            known = isinstance(e, (ModelNotFound, ModelConfigError, NotEnoughMemory))
+            log.error("startup failed: %s", e if known else "\n" + traceback.format_exc())
             self._report_startup_error(f"{type(e).__name__}: {e}")
             self._close_loop()
             self._close_sockets()

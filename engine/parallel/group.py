@@ -74,6 +74,14 @@ class TPGroup:
         self._pg.allreduce([x]).wait()
         return x
 
+    def all_min(self, value: int) -> int:
+        """The smallest ``value`` of any rank."""
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._pg.allreduce([x], opts).wait()
+        return int(x.item())
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """``[n, vocab_size]`` from every rank's ``[n, shard]`` vocab columns."""
         n, per = logits.shape

@@ -1,12 +1,13 @@
-"""A model directory for ``--load-format dummy`` serving benchmarks in real shapes.
+"""A model directory for ``--load-format dummy`` in real shapes: a preset's
+``config.json`` (``engine.presets``) plus a synthetic tokenizer that covers the
+whole vocabulary, and no weight files.
 
-A worker started with ``--model llama-3.1-8b --load-format dummy`` has no
-tokenizer files, so a gateway in front of it cannot detokenize. This writes a
-directory holding a preset's ``config.json`` plus a synthetic tokenizer that
-covers the whole vocabulary, which workers accept with ``--load-format dummy``
-(no weight files needed) and serve to the gateway at ``GET /tokenizer``::
+A worker started with ``--model llama-3.1-8b --load-format dummy`` serves the
+directory ``ensure_preset_model`` builds in the cache on first use, so its
+``GET /tokenizer`` gives a gateway in front of it something to tokenize and
+detokenize with. The same directory, written anywhere::
 
-    python benchmarks/dummy_model.py llama-3.1-8b /tmp/llama-3.1-8b
+    python -m engine.dummy_model llama-3.1-8b /tmp/llama-3.1-8b
     python -m decode_server --role both --model /tmp/llama-3.1-8b --load-format dummy
 
 The tokenizer is a word-level one: id ``i`` is the word ``t<i>`` (one token per
@@ -18,17 +19,16 @@ Decoding joins tokens with spaces, so every id decodes to visible text.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.presets import PRESETS  # noqa: E402
+from engine.presets import PRESETS
+from engine.tiny import MARKER_NAME, build_once, default_cache_root
 
 UNK_TOKEN = "<unk>"
 MODEL_TYPES = {
@@ -143,9 +143,26 @@ def write_dummy_model(config: str | Mapping[str, Any], out_dir: str | Path) -> P
     return out
 
 
+def ensure_preset_model(preset: str, cache_dir: str | Path | None = None) -> Path:
+    """The directory ``write_dummy_model`` makes of ``preset``, in the cache
+    (built on first use; a changed preset gets a directory of its own).
+    Named after the preset, so a worker serves it under the preset's name."""
+    config = load_config(preset)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+
+    def build(tmp: Path) -> None:
+        write_dummy_model(config, tmp)
+        _write_json(tmp / MARKER_NAME, {"preset": preset})
+
+    return build_once(root / "presets" / digest / preset, build)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m engine.dummy_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "preset", help=f"preset name ({', '.join(sorted(PRESETS))}) or a config.json path"
