@@ -4,6 +4,8 @@ back."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +21,12 @@ from worker.config import CLUSTER_TOKEN_ENV
 pytestmark = pytest.mark.e2e
 
 TOKEN = "reliability-e2e-secret"
+CONTEXT = 1 << 16
+"""The worker's context (and KV pool, in one-token pages), all of it the
+request's: one engine step a token, 65536 steps take minutes on a CPU, and
+still several requester timeouts at a tenth of a millisecond a step (steps
+grow slower with the context, too)."""
+REQUESTER_TIMEOUT_S = 2.0
 
 _REQUESTER = textwrap.dedent(
     """
@@ -46,10 +54,23 @@ _REQUESTER = textwrap.dedent(
 def worker(
     model_dir: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Worker]:
-    log_path = tmp_path_factory.mktemp("reliability") / "worker.log"
+    tmp = tmp_path_factory.mktemp("reliability")
+    log_path = tmp / "worker.log"
+    # The tiny model with a longer context (its positions' table is computed
+    # from it; the weights do not depend on it).
+    long_model = tmp / "tiny-long"
+    shutil.copytree(model_dir, long_model)
+    config = json.loads((long_model / "config.json").read_text())
+    config["max_position_embeddings"] = CONTEXT
+    (long_model / "config.json").write_text(json.dumps(config))
     port = free_port()
     cmd = worker_cmd(
-        "decode_server", model_dir, port, page_size=1, num_pages=2048, requester_timeout_s=2.0
+        "decode_server",
+        str(long_model),
+        port,
+        page_size=1,
+        num_pages=CONTEXT + 1,  # page 0 is reserved
+        requester_timeout_s=REQUESTER_TIMEOUT_S,
     )
     failed = request.session.testsfailed
     try:
@@ -61,8 +82,11 @@ def worker(
 
 
 def test_killed_requester_leaves_no_request_running(worker: Worker, tmp_path: Path) -> None:
+    assert worker.start_info["max_model_len"] == CONTEXT
     free = worker.stats()["available_pages"]
-    max_tokens = 2000  # runs far longer than the test (a few tokens a second per step)
+    # The whole context: the request cannot end on its own before the
+    # requester timeout, only by the orphan abort.
+    max_tokens = CONTEXT
     proc = subprocess.Popen(
         [sys.executable, "-c", _REQUESTER, worker.endpoint, TOKEN, str(max_tokens)],
         stdout=subprocess.PIPE,
