@@ -309,6 +309,23 @@ class EngineConfig:
             ),
         )
 
+    def with_pool(self, num_pages: int) -> tuple[EngineConfig, str | None]:
+        """This resolved config with a pool of ``num_pages`` pages, and a
+        warning when that changes another setting: the largest CUDA graph is
+        at most what the pool can run (every request holds a page, so a
+        larger batch never happens, and capturing it would overrun the graph's
+        page-table buffers)."""
+        capacity = num_pages - 1
+        graph_bs = self.cuda_graph_max_bs
+        warning = None
+        if graph_bs and graph_bs > capacity:
+            warning = (
+                f"CUDA graphs: batches above {capacity} are not captured (asked for up to "
+                f"{graph_bs}): the KV pool holds {capacity} pages"
+            )
+            graph_bs = capacity
+        return replace(self, num_pages=num_pages, cuda_graph_max_bs=graph_bs), warning
+
     def prefill_cap(self, num_decoding: int, num_requests: int) -> int:
         """Prefill tokens a step may carry beside ``num_decoding`` decoding
         requests, with ``num_requests`` admitted or waiting. Scaled by the whole

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -102,8 +101,8 @@ class ModelRunner:
         """``tp``: this runner is one rank of a tensor-parallel group; it holds
         its shard of the model and a pool of its own KV heads. ``config`` is
         resolved (``EngineConfig.resolve``); where it leaves ``num_pages``
-        unset the pool is sized from the device's memory, and ``self.config``
-        is the config with the size filled in."""
+        unset the pool is sized from the device's memory (``engine.memory``),
+        and ``self.config`` is the config with the size filled in."""
         assert config.context_length is not None, "EngineConfig must be resolved first"
         self.model_config = model_config
         self.tp = tp
@@ -114,8 +113,11 @@ class ModelRunner:
             # workspaces) go to the current device: make it this one.
             torch.cuda.set_device(self.device)
             if config.num_pages is None:
-                start = torch.cuda.mem_get_info(self.device)
-                weights_from = torch.cuda.memory_allocated(self.device)
+                # Read before this engine allocates anything.
+                start = (
+                    *torch.cuda.mem_get_info(self.device),
+                    torch.cuda.memory_allocated(self.device),
+                )
         # FlashInfer's fused layer kernels come with its attention; the torch
         # attention backend is the reference, so it gets the reference kernels.
         kernels = layer_kernels(
@@ -129,39 +131,27 @@ class ModelRunner:
         else:
             self.model.load_weights(iter_safetensors(config.model))
         self.num_heads, self.num_kv_heads = local_heads(model_config, tp)
-        if start is None:
-            assert config.num_pages is not None, "EngineConfig must be resolved first"
-            self.pool_sizing: dict[str, object] = {"sized_by": config.pool_sized_by}
-        else:
-            free, total = start
-            plan = self._memory_plan(config, free, total, weights_from)
+        self.pool_sizing: dict[str, object] = {"sized_by": config.pool_sized_by}
+        """How the KV pool was sized (for /server_info and the start-up log)."""
+        num_pages = config.num_pages
+        if num_pages is None:
+            assert start is not None, "EngineConfig must be resolved first"
+            plan = self._memory_plan(config, *start)
             num_pages = plan.num_pages
             if tp is not None:  # every rank holds the same pages
                 num_pages = tp.all_min(num_pages)
-            log.info(
-                "KV pool: %d pages of %d tokens; %s", num_pages, config.page_size, plan.describe()
-            )
-            config = replace(config, num_pages=num_pages)
-            self.pool_sizing = {"sized_by": "gpu_memory_utilization", **plan.as_dict()}
-        assert config.num_pages is not None
-        self.pool = KVPool(self._pool_config(config.num_pages, config))
-        capacity = self.pool.allocator.capacity
-        self.pool_sizing.update(
-            num_pages=config.num_pages,
-            max_tokens=capacity * config.page_size,
-            gb=round(config.num_pages * self.pool.config.page_bytes / (1 << 30), 3),
-        )
-        if config.cuda_graph_max_bs and config.cuda_graph_max_bs > capacity:
-            # Every request holds a page: a batch larger than the pool never runs.
-            log.warning(
-                "CUDA graphs: batches above %d are not captured (asked for up to %d): the "
-                "KV pool holds %d pages",
-                capacity,
-                config.cuda_graph_max_bs,
-                capacity,
-            )
-            config = replace(config, cuda_graph_max_bs=capacity)
+            log.info("KV pool: %d pages; %s", num_pages, plan.describe())
+            self.pool_sizing.update(plan.as_dict())
+        config, warning = config.with_pool(num_pages)
+        if warning:
+            log.warning("%s", warning)
         self.config = config
+        self.pool = KVPool(self._pool_config(num_pages, config))
+        self.pool_sizing.update(
+            num_pages=num_pages,
+            max_tokens=self.pool.allocator.capacity * config.page_size,
+            gib=round(num_pages * self.pool.config.page_bytes / (1 << 30), 3),
+        )
         self.attn = self._attention(self.pool, config)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_max_bs:
