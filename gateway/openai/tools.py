@@ -174,13 +174,15 @@ async def tool_call_events(
     deltas of the calls that its text makes (OpenAI's streamed form: a call's
     first delta has its ``index``, ``id``, ``type`` and name, later ones only
     its ``index`` and the next piece of its arguments). A choice that made
-    calls and stopped ends with "tool_calls"."""
+    calls and stopped ends with "tool_calls"; one cut by its length limit
+    inside a call not sent yet drops that call (``ToolCallParser.finish``)
+    and ends with "length"."""
     async with contextlib.aclosing(events):  # type: ignore[type-var]
         async for ev in events:
             text, deltas = parser.feed(ev.text)
             finish = ev.finish_reason
             if finish is not None:
-                rest, more = parser.finish()
+                rest, more = parser.finish(cut=finish == "length")
                 text, deltas = text + rest, deltas + more
             if finish == "stop" and parser.num_calls:
                 finish = "tool_calls"

@@ -32,6 +32,11 @@ calls before any call was sent is content as a whole. Once a call has been
 sent it stays a call (cut short by the end of the output, its arguments are
 what came). Whitespace-only content next to tool calls is dropped (held back
 until content that is not whitespace follows).
+
+An output cut by its length limit (``finish(cut=True)``) may end inside a
+call that was not sent yet: that call is dropped, not turned into content
+(its markup is no text for the user; the text before it is content as
+usual), and so is the start of a tag or the syntax between calls.
 """
 
 from __future__ import annotations
@@ -134,13 +139,14 @@ class ToolCallParser(ABC):
         """Content that can be sent now, and the call deltas that ``text`` makes."""
 
     @abstractmethod
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """What is left at the end of the output."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """What is left at the end of the output; ``cut``: the output was cut
+        by its length limit (a call it ends in is dropped, not content)."""
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """A whole output at once."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """A whole output at once (``cut``: as ``finish``)."""
         content, deltas = self.feed(text)
-        rest, more = self.finish()
+        rest, more = self.finish(cut)
         return content + rest, join_deltas(deltas + more)
 
     def _content(self, text: str, final: bool = False) -> str:
@@ -269,15 +275,19 @@ class HermesToolParser(ToolCallParser):
             return ""
         return self.OPEN + scan.text[:stop] + close
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         out: list[ToolCallDelta] = []
         rest, self._buf = self._buf, ""
+        if cut:
+            rest = ""  # what may begin a tag, cut short
         call, self._call = self._call, None
         if call is not None:
             # The model may end the output inside its last tag.
             rest = self._end_call(call, len(call.scan.text), out, close="")
             if call.index is not None and self.CLOSE.startswith(rest.strip()):
                 rest = ""  # the start of the closing tag, cut short
+            elif cut and call.index is None and not out:
+                rest = ""  # a call cut short before it could be sent
         return self._content(rest, final=True), out
 
 
@@ -366,18 +376,22 @@ class _CallListParser(ToolCallParser):
         self._buf = ""
         return rest if self.num_calls else self._whole
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         rest = ""
         if not self._plain:
             call = self._call
-            if not self.num_calls:
+            if call is not None and call.index is not None:
+                rest = _leftover(call.scan, len(call.scan.text))
+            elif cut:
+                # Cut short while still calls: the call it ends in (and the
+                # syntax before it) is dropped.
+                rest = ""
+            elif not self.num_calls:
                 rest = self._whole
             elif call is None:
                 rest = self._buf
-            elif call.index is None:
-                rest = self._gap + call.scan.text
             else:
-                rest = _leftover(call.scan, len(call.scan.text))
+                rest = self._gap + call.scan.text
         self._buf = self._whole = self._gap = ""
         self._call = None
         self._plain = True
