@@ -240,8 +240,10 @@ class EngineConfig:
 
     @property
     def pool_sized_by(self) -> str:
-        """Which setting sizes the KV pool (of a config with a concrete device)."""
-        if self.num_pages is not None:
+        """Which setting sizes the KV pool (of a config with a concrete device):
+        ``num_pages`` over ``kv_cache_memory_gb`` (the default off CUDA) over
+        ``gpu_memory_utilization``. A resolved config keeps only the one used."""
+        if self.num_pages is not None and self.kv_cache_memory_gb is None:
             return "num_pages"
         if self.kv_cache_memory_gb is not None or not self.device.startswith("cuda"):
             return "kv_cache_memory_gb"
@@ -271,9 +273,8 @@ class EngineConfig:
         device = resolve_device(self.device)
         on_cuda = device.startswith("cuda")
         ctx = self.context_length or model_config.max_position_embeddings
-        num_pages = self.num_pages
-        sized_by = replace(self, device=device).pool_sized_by
-        if sized_by == "kv_cache_memory_gb":
+        num_pages, gb = self.num_pages, None
+        if num_pages is None and (self.kv_cache_memory_gb is not None or not on_cuda):
             # Every rank's pool holds the same pages, of its own KV heads.
             kv0, kv1 = kv_head_range(m.num_kv_heads, self.tp_size, 0)
             per_page = KVPoolConfig.bytes_per_page(
@@ -298,6 +299,7 @@ class EngineConfig:
             device=device,
             context_length=ctx,
             num_pages=num_pages,
+            kv_cache_memory_gb=gb,
             attention_backend=backend,
             cuda_graph_max_bs=graph_bs,
             max_num_batched_tokens=self.max_num_batched_tokens

@@ -13,7 +13,10 @@ detokenize with. The same directory, written anywhere::
 The tokenizer is a word-level one: id ``i`` is the word ``t<i>`` (one token per
 whitespace-separated word, so a text prompt of N words is N tokens), the
 config's bos/eos ids are special tokens, and every other word maps to ``<unk>``.
-Decoding joins tokens with spaces, so every id decodes to visible text.
+The last 95 ids that are not special are the printable ASCII characters, one
+each, so that constrained decoding (JSON schemas, tool calls) can spell its
+output. Decoding puts a space before each word and none before a character,
+so every id decodes to visible text.
 """
 
 from __future__ import annotations
@@ -25,12 +28,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.presets import PRESETS
 from engine.tiny import MARKER_NAME, build_once, default_cache_root
 
 UNK_TOKEN = "<unk>"
+WORD = "\u2581"
+"""Marks a token that starts a word (decoded as a space before it)."""
+RECIPE = 2
+"""Changes with the directory's contents, so a cached one is rebuilt."""
+CHARS = [chr(c) for c in range(32, 127)]
+"""Printable ASCII, one token each."""
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -75,14 +84,22 @@ def build_tokenizer(vocab_size: int, specials: Mapping[int, str]) -> Tokenizer:
     """Word-level tokenizer over ids 0..vocab_size-1 (see the module docstring)."""
     if any(not 0 <= i < vocab_size for i in specials):
         raise ValueError(f"special token ids {sorted(specials)} outside the vocab ({vocab_size})")
+    # The last ids that are not special are the printable ASCII characters, so
+    # that constrained decoding (JSON, tool calls) has tokens to spell with;
     # <unk> takes the first id that is not special; every other id is "t<id>".
-    unk_id = next(i for i in range(vocab_size) if i not in specials)
-    vocab = {f"t{i}": i for i in range(vocab_size) if i not in specials and i != unk_id}
+    plain = [i for i in range(vocab_size) if i not in specials]
+    if len(plain) < len(CHARS) + 2:
+        raise ValueError(f"a vocabulary of {vocab_size} has no room for the characters")
+    unk_id, chars = plain[0], plain[-len(CHARS) :]
+    vocab = {f"{WORD}t{i}": i for i in plain[1 : -len(CHARS)]}
+    vocab.update(zip(CHARS, chars))
     vocab[UNK_TOKEN] = unk_id
     vocab.update({text: i for i, text in specials.items()})
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # No decoder: the tokenizers library then joins tokens with single spaces.
+    # Words are "▁t<id>" inside, "t<id>" outside: each starts a new word when
+    # decoded, while the characters join what comes before them.
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=WORD, prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement=WORD, prepend_scheme="always")
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in specials.values()]
     )
@@ -148,7 +165,8 @@ def ensure_preset_model(preset: str, cache_dir: str | Path | None = None) -> Pat
     (built on first use; a changed preset gets a directory of its own).
     Named after the preset, so a worker serves it under the preset's name."""
     config = load_config(preset)
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
+    recipe = json.dumps([RECIPE, config], sort_keys=True).encode()
+    digest = hashlib.sha256(recipe).hexdigest()[:8]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
 
     def build(tmp: Path) -> None:

@@ -624,6 +624,11 @@ def test_dummy_model_tokenizer_covers_the_vocab(preset: str, tmp_path: Path) -> 
         assert tok.decode([i], skip_special_tokens=True) == ""
     assert tok.encode("t5 t77", add_special_tokens=False) == [5, 77]
     assert tok.decode([5, 77]) == "t5 t77"
+    # Printable ASCII has a token each, so constrained decoding can spell JSON.
+    text = '{"ok": [true, 1.5e-3]}'
+    vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+    ids = [vocab[c] for c in text]
+    assert len(set(ids)) == len(set(text)) and tok.decode(ids) == text
     assert len(tok.encode("some words nobody knows", add_special_tokens=False)) == 4
     assert tok.apply_chat_template([{"role": "user", "content": "t5"}], add_generation_prompt=True)
 
