@@ -99,11 +99,9 @@ def _lifespan(state: GatewayState) -> Callable[[FastAPI], AbstractAsyncContextMa
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.add_initial_workers()
-        state.health.after_round += [
-            state.dispatcher.prune,
-            state.dispatcher.connect_all,
-            state.refresh_model_facts,
-        ]
+        # The health rounds also admit workers (their admission checks load
+        # the model's facts from the first one that passes).
+        state.health.after_round += [state.dispatcher.prune, state.dispatcher.connect_all]
         await state.health.start()
         await state.dispatcher.connect_all()
         try:
@@ -222,11 +220,25 @@ async def _parse_json_fast(request: Request) -> None:
 def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        ok = any(
-            state.router.is_available(w) for w in state.router.workers() if w.role != "prefill"
-        )
+        """ "ok" while a decode-pool worker takes requests, and each worker's
+        state: whether it takes requests and, when it does not, why."""
+        workers = state.router.workers()
+        up = {w.url: state.router.is_available(w) for w in workers}
+        ok = any(up[w.url] for w in workers if w.role != "prefill")
         return JSONResponse(
-            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
+            {
+                "status": "ok" if ok else "unavailable",
+                "workers": [
+                    {
+                        "url": w.url,
+                        "role": w.role,
+                        "healthy": up[w.url],
+                        "last_error": None if up[w.url] else (w.refused or w.last_error),
+                    }
+                    for w in workers
+                ],
+            },
+            status_code=200 if ok else 503,
         )
 
     @app.get("/v1/models")
@@ -261,13 +273,16 @@ def _add_admin_routes(app: FastAPI, state: GatewayState) -> None:
             raise APIError(
                 400, f"unknown worker role {role!r}; choose from {', '.join(ROLES)}", param="role"
             )
+        new = url not in state.router.prefill and url not in state.router.decode
         try:
             w = await state.admin.add_worker(url, role)
         except (WorkerError, ValueError) as e:
-            # ValueError: the worker's /server_info does not fit its pool.
+            # ValueError: the worker's /server_info does not fit its pool. A
+            # new worker that failed its admission checks is not kept: the
+            # registration failed, and says why.
+            if new and state.router.get(url) is not None:
+                state.router.remove(url)
             raise APIError(400, str(e), param="url") from None
-        if state.tokenizer is None:
-            await state.load_model_facts()
         return w.to_dict()
 
     @app.delete("/admin/workers")

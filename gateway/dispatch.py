@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import zmq
 
+from gateway import routing
 from gateway.routing import Router, WorkerInfo
 from gateway.stages import RequestTrace, current_trace
 from protocol.auth import ClusterKeys
@@ -20,6 +21,7 @@ from protocol.client import (
     WorkerClientClosed,
     WorkerDisconnected,
     WorkerError,
+    WorkerHandshakeFailed,
     WorkerUnreachable,
 )
 from protocol.sampling import SamplingParams
@@ -111,9 +113,13 @@ class Dispatcher:
     async def prune(self) -> None:
         """Close the clients of workers that left (removed, restarted on another
         endpoint) or are unhealthy, once nothing is in flight on them. A worker
-        that comes back gets a new client on its next request."""
+        that comes back gets a new client on its next request. A refused
+        worker keeps its client: each health round checks its handshake
+        (``verify``) on it, rather than on a new client each time."""
         live = {
-            w.request_endpoint for w in self.router.workers() if w.healthy and w.request_endpoint
+            w.request_endpoint
+            for w in self.router.workers()
+            if (w.healthy or w.refused is not None) and w.request_endpoint
         }
         for endpoint, client in list(self._clients.items()):
             if endpoint not in live and client.in_flight == 0:
@@ -128,6 +134,25 @@ class Dispatcher:
             if self.router.is_available(worker) and worker.request_endpoint:
                 with contextlib.suppress(_NotDispatched):
                     await self._client(worker)
+
+    async def verify(self, worker: WorkerInfo) -> None:
+        """Check ``worker``'s request plane as requests will use it: its
+        connection comes up (with the cluster token's keys: the handshake
+        proves that both sides hold the same token). Raises
+        ``gateway.routing.WorkerRefused`` when the handshake fails, and
+        ``gateway.routing.WorkerUnreachable`` when no connection comes up
+        within the connect timeout. (A health-check hook: ``HealthChecker.checks``.)"""
+        if not worker.request_endpoint:
+            raise routing.WorkerRefused("its /server_info names no request endpoint")
+        try:
+            client = await self._client(worker)
+            await client.ready()
+        except _NotDispatched as e:
+            raise routing.WorkerUnreachable(f"its request plane: {e.cause}") from e
+        except WorkerHandshakeFailed as e:
+            raise routing.WorkerRefused(str(e)) from e
+        except WorkerError as e:
+            raise routing.WorkerUnreachable(f"its request plane: {e}") from e
 
     @property
     def endpoints(self) -> list[str]:
@@ -152,8 +177,15 @@ class Dispatcher:
             prefill = None
             decode = self.router.pick_decode(prompt_ids, exclude=exclude)
         if decode is None:
-            raise NoWorkerAvailable("no healthy decode worker")
+            raise NoWorkerAvailable(self._no_decode())
         return prefill, decode
+
+    def _no_decode(self, within: str = "") -> str:
+        """Why no decode worker takes the request (``within``: how long it waited)."""
+        why = self.router.why_unavailable(self.router.decode)
+        return f"no decode worker can take the request{within}" + (
+            f" ({why})" if why else ": none is registered"
+        )
 
     async def _route_or_wait(
         self, prompt_ids: list[int], exclude: set[str], wait: bool
@@ -163,7 +195,9 @@ class Dispatcher:
         try:
             return self._route(prompt_ids, exclude)
         except NoWorkerAvailable:
-            if not wait or self.wait_for_worker_s <= 0:
+            # Every decode worker refused (no tokenizer, another model, a
+            # handshake that fails): none comes without someone fixing it.
+            if not wait or self.wait_for_worker_s <= 0 or self.router.refused(self.router.decode):
                 raise
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_for_worker_s
@@ -172,9 +206,11 @@ class Dispatcher:
             try:
                 return self._route(prompt_ids, exclude)
             except NoWorkerAvailable:
+                if self.router.refused(self.router.decode):
+                    raise
                 if loop.time() >= deadline:
                     raise NoWorkerAvailable(
-                        f"no healthy decode worker within {self.wait_for_worker_s:g}s"
+                        self._no_decode(f" within {self.wait_for_worker_s:g}s")
                     ) from None
 
     async def stream(

@@ -82,6 +82,21 @@ class WorkerUnreachable(WorkerError, ConnectionError):
     """No connection to the worker; the request was not sent."""
 
 
+class WorkerHandshakeFailed(WorkerUnreachable):
+    """The connection opens but its handshake fails: the worker and this client
+    do not hold the same cluster token (or one of them holds none)."""
+
+    def __init__(self, endpoint: str, detail: str) -> None:
+        # The message leaves ``detail`` out: libzmq reports the same mismatch
+        # in more than one way, attempt after attempt (the client logs each).
+        super().__init__(
+            f"the request-plane handshake with {endpoint} fails: the worker and the "
+            "gateway do not hold the same cluster token (DISAGG_CLUSTER_TOKEN or "
+            "--cluster-token on both sides, or on neither)"
+        )
+        self.endpoint, self.detail = endpoint, detail
+
+
 class WorkerDisconnected(WorkerError, ConnectionError):
     """The connection to the worker dropped while the request was in flight."""
 
@@ -192,6 +207,9 @@ class WorkerClient:
         self._loss = asyncio.Event()
         """Set when the current connection drops (a new one per connection)."""
         self._handshake_error: str | None = None
+        """Why the last handshake failed (None once one succeeds)."""
+        self._handshake_failed: asyncio.Event = asyncio.Event()
+        """Set when a handshake fails (a new one per ``ready`` wait)."""
         self._declared = False
         """A heartbeat went out on this connection: the worker watches us."""
         self._ctx = context
@@ -288,6 +306,40 @@ class WorkerClient:
     @property
     def in_flight(self) -> int:
         return len(self._inboxes)
+
+    async def ready(self, timeout_s: float | None = None) -> None:
+        """Until the connection is up: the ZMTP handshake succeeded (with
+        ``auth``: both sides proved they hold the cluster token). Raises
+        ``WorkerHandshakeFailed`` as soon as libzmq reports a failed handshake
+        (the peer holds another cluster token, or one side has none), also one
+        reported before this call while no connection is up, and
+        ``WorkerUnreachable`` when neither comes within ``timeout_s``
+        (default ``connect_timeout_s``). Sends nothing."""
+        if self._sock is None:
+            await self.start()
+        if self._closed:
+            raise WorkerClientClosed("client is closed")
+        if self._connected.is_set():
+            return
+        if self._handshake_error is not None:
+            raise WorkerHandshakeFailed(self.endpoint, self._handshake_error)
+        timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
+        self._handshake_failed = failed = asyncio.Event()
+        waits = [
+            asyncio.ensure_future(self._connected.wait()),
+            asyncio.ensure_future(failed.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(*waits)
+        if self._closed:
+            raise WorkerClientClosed("client is closed")
+        if self._connected.is_set():
+            return
+        if self._handshake_error is not None:
+            raise WorkerHandshakeFailed(self.endpoint, self._handshake_error)
+        raise WorkerUnreachable(f"no connection to {self.endpoint} within {timeout_s:g}s")
 
     # -- requests --------------------------------------------------------------
 
@@ -527,6 +579,7 @@ class WorkerClient:
                         error,
                     )
                 self._handshake_error = error
+                self._handshake_failed.set()
             elif kind == zmq.EVENT_DISCONNECTED and self._connected.is_set():
                 self._connected.clear()
                 self._lost = True

@@ -1,13 +1,44 @@
-"""Failures the gateway reports for what they are. A tool call cut by the
-length limit leaves no markup in the content: the text before it is content,
-the unfinished call is dropped, and the choice ends with "length"."""
+"""Failures the gateway reports for what they are, with worker processes
+(tiny model, CPU, tcp KV transfer): a worker it cannot use says why (no
+tokenizer, a cluster token that differs) in /health, /metrics, one log line
+and a 503, instead of a gateway that exits or looks healthy. Without
+workers: a tool call cut by the length limit leaves no markup in the
+content.
+
+One prefill and one decode worker (the decode worker's KV pool holds fewer
+tokens than the context) and a gateway over them are started once for the
+module; other gateways and workers are per test. Tests that ran requests end
+with every worker's KV pool back to its starting free-page count; worker and
+gateway logs are printed when a test fails.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
+from workers import (
+    REPO,
+    Worker,
+    dump_log,
+    free_port,
+    launch_workers,
+    log_tail,
+    stop,
+    worker_cmd,
+)
 
 from gateway.openai.choices import ChoiceEvent
 from gateway.openai.tools import tool_call_events
@@ -18,6 +49,193 @@ from gateway.text.tool_parsers import (
     ToolCall,
     ToolCallParser,
 )
+from worker.config import CLUSTER_TOKEN_ENV
+
+TOKEN = "fail-loudly-cluster-secret"
+WORKER_ENV = {CLUSTER_TOKEN_ENV: TOKEN, "OMP_NUM_THREADS": "1"}
+CONTEXT = 1024
+PAGE_SIZE = 4
+DECODE_PAGES = 32
+"""The decode worker's pool: 31 allocatable pages of 4 tokens, far below the context."""
+ENGINE: dict[str, Any] = dict(
+    page_size=PAGE_SIZE, context_length=CONTEXT, transfer_backend="tcp", transfer_timeout_s=10
+)
+HEALTH_INTERVAL_S = 0.2
+START_TIMEOUT_S = 60.0
+LOGS: list[Path] = []
+"""Logs of this module's live processes, printed when a test fails."""
+
+
+@pytest.fixture(autouse=True)
+def _dump_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        for path in LOGS:
+            dump_log(request.config, path, 80)
+
+
+# -- processes ------------------------------------------------------------------------
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        resp = httpx.get(f"{self.url}/health", timeout=10)
+        return resp.status_code, resp.json()
+
+    def worker_view(self, url: str) -> dict[str, Any]:
+        _, body = self.health()
+        (entry,) = [w for w in body["workers"] if w["url"] == url]
+        return entry
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def log_lines(self, text: str) -> list[str]:
+        return [line for line in self.log_path.read_text().splitlines() if text in line]
+
+
+@contextlib.contextmanager
+def gateway(
+    log_path: Path, args: Sequence[str], token: str | None, ready: bool = True
+) -> Iterator[Gateway]:
+    """``python -m gateway ARGS`` on a free port (``token``: its cluster token),
+    up once /health answers at all (``ready``: answers 200); always stopped."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--health-interval-s", str(HEALTH_INTERVAL_S), "--log-level", "info", *args]
+    env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
+    if token:
+        env[CLUSTER_TOKEN_ENV] = token
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    LOGS.append(log_path)
+    gw = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"gateway exited:\n{log_tail(log_path)}"
+            assert time.monotonic() < deadline, f"gateway never answered:\n{log_tail(log_path)}"
+            with contextlib.suppress(httpx.HTTPError):
+                if gw.health()[0] == 200 or not ready:
+                    break
+            time.sleep(0.1)
+        yield gw
+    finally:
+        stop(proc)
+        LOGS.remove(log_path)
+
+
+def _spec(log_dir: Path, name: str, module: str, role: str, model: str, **settings: Any) -> Any:
+    port = free_port()
+    cmd = worker_cmd(module, model, port, role=role, **{**ENGINE, **settings})
+    return cmd, port, log_dir / f"{name}.log", WORKER_ENV
+
+
+@dataclass
+class Cluster:
+    prefill: Worker
+    decode: Worker
+    gw: Gateway
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [self.prefill, self.decode]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("fail-loudly")
+    specs = [
+        _spec(log_dir, "prefill", "prefill_server", "prefill", model_dir, num_pages=256),
+        _spec(log_dir, "decode", "decode_server", "decode", model_dir, num_pages=DECODE_PAGES),
+    ]
+    with launch_workers(specs) as (p, d):
+        LOGS.extend([p.log_path, d.log_path])
+        try:
+            args = ["--prefill", p.url, "--decode", d.url]
+            with gateway(log_dir / "gateway.log", args, TOKEN) as gw:
+                yield Cluster(p, d, gw)
+        finally:
+            LOGS.clear()
+
+
+# -- a worker the gateway cannot use says why ----------------------------------------
+
+
+def test_cluster_token_mismatch_is_an_unhealthy_worker(cluster: Cluster, tmp_path: Path) -> None:
+    """A gateway without the workers' cluster token: /health and /metrics
+    show the workers unusable with the reason, logged once however many
+    health rounds pass; a request is a 503 that says why, at once."""
+    p, d = cluster.prefill, cluster.decode
+    args = ["--prefill", p.url, "--decode", d.url, "--connect-timeout-s", "3"]
+    with gateway(tmp_path / "gateway-no-token.log", args, None, ready=False) as gw:
+        status, body = gw.health()
+        assert status == 503 and body["status"] == "unavailable"
+        for w in (p, d):
+            view = gw.worker_view(w.url)
+            assert view["healthy"] is False
+            assert "cluster token" in view["last_error"], view
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
+        assert f'gateway_worker_healthy{{url="{d.url}",role="decode"}} 0' in metrics
+        t0 = time.monotonic()
+        resp = httpx.post(
+            f"{gw.url}/v1/completions",
+            json={"model": "m", "prompt": "Hello", "max_tokens": 2},
+            timeout=30,
+        )
+        assert time.monotonic() - t0 < 2.0, "the request waited for a worker that cannot serve"
+        assert resp.status_code == 503, resp.text
+        assert "cluster token" in resp.json()["error"]["message"]
+        # Rounds of checks (every 0.5 s while a worker is down): one line each.
+        time.sleep(2.0)
+        assert gw.proc.poll() is None
+        for w in (p, d):
+            lines = gw.log_lines(f"worker {w.url} is not usable")
+            assert len(lines) == 1, lines
+            assert "cluster token" in lines[0]
+
+
+def test_worker_without_tokenizer_is_refused_with_the_fix(
+    model_dir: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A worker whose checkpoint has no tokenizer.json: the gateway keeps
+    serving, logs one line naming the worker and the fix, and answers 503
+    with that reason."""
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(Path(model_dir) / name, bare / name)
+    spec = _spec(tmp_path, "no-tokenizer", "decode_server", "both", str(bare), num_pages=64)
+    with launch_workers([spec]) as (w,):
+        LOGS.append(w.log_path)
+        try:
+            with gateway(tmp_path / "gateway.log", ["--decode", w.url], TOKEN, ready=False) as gw:
+                status, _ = gw.health()
+                assert status == 503
+                view = gw.worker_view(w.url)
+                assert view["healthy"] is False and "tokenizer.json" in view["last_error"]
+                resp = httpx.post(
+                    f"{gw.url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
+                    timeout=30,
+                )
+                assert resp.status_code == 503, resp.text
+                error = resp.json()["error"]
+                assert error["type"] == "server_error" and "tokenizer.json" in error["message"]
+                time.sleep(1.5)
+                assert gw.proc.poll() is None
+                (line,) = gw.log_lines(f"worker {w.url} is not usable")
+                assert "serves no tokenizer files" in line and "--load-format dummy" in line
+                assert "Traceback" not in gw.log_path.read_text()
+        finally:
+            LOGS.remove(w.log_path)
+
 
 # -- a tool call cut by the length limit ----------------------------------------------
 

@@ -30,7 +30,12 @@ from gateway.routing.policies import (
     RoundRobinPolicy,
 )
 from gateway.routing.prefix_tree import ApproxPrefixTree, block_keys
-from gateway.routing.probe import WorkerError, WorkerProbe, WorkerUnreachable
+from gateway.routing.probe import (
+    WorkerError,
+    WorkerProbe,
+    WorkerRefused,
+    WorkerUnreachable,
+)
 from gateway.routing.router import Router
 from gateway.routing.workers import POOL_ROLES, WorkerInfo, WorkerPool, normalize_url
 
@@ -54,6 +59,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerPool",
     "WorkerProbe",
+    "WorkerRefused",
     "WorkerRoleMismatch",
     "WorkerUnreachable",
     "block_keys",

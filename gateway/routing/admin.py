@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 
-from gateway.routing.probe import WorkerError, WorkerProbe, WorkerUnreachable
+from gateway.routing.probe import WorkerError, WorkerProbe, WorkerRefused, WorkerUnreachable
 from gateway.routing.router import Router
 from gateway.routing.workers import WorkerInfo, normalize_url
 from protocol.roles import BOTH, DECODE, ROLES
@@ -20,14 +21,24 @@ class WorkerAdmin:
     """Registers workers with the router from their own /server_info, and
     takes them out again (draining first)."""
 
-    def __init__(self, router: Router, probe: WorkerProbe) -> None:
+    def __init__(
+        self,
+        router: Router,
+        probe: WorkerProbe,
+        admit: Callable[[WorkerInfo], Awaitable[bool]] | None = None,
+    ) -> None:
         self.router = router
         self.probe = probe
+        self.admit = admit
+        """The admission checks a registered worker must pass before it takes
+        requests (``HealthChecker.admit``; None: none)."""
 
     async def add_worker(self, url: str, role: str | None = None) -> WorkerInfo:
         """Fetch the worker's /server_info and register it. ``role`` defaults to
         the worker's own; a different one raises ``WorkerRoleMismatch``. Raises
-        ``WorkerUnreachable`` if the worker does not answer."""
+        ``WorkerUnreachable`` if the worker does not answer. A worker that
+        fails the admission checks stays registered, out of routing, and
+        ``WorkerRefused`` (or ``WorkerUnreachable``) is raised with the reason."""
         url = normalize_url(url)
         if role is not None and role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
@@ -50,7 +61,19 @@ class WorkerAdmin:
             raise WorkerRoleMismatch(
                 f"worker {url} was added as {role!r} but reports role {actual!r}"
             )
-        return self.router.add(WorkerInfo.from_server_info(url, info))
+        new = WorkerInfo.from_server_info(url, info)
+        # Out of routing until it passed its checks (an entry already listed
+        # keeps its state meanwhile).
+        new.healthy = self.admit is None
+        worker = self.router.add(new)
+        if self.admit is not None:
+            if not await self.admit(worker):
+                error = worker.last_error or "it failed its admission checks"
+                if worker.refused is not None:
+                    raise WorkerRefused(f"worker {url} is not usable: {error}")
+                raise WorkerUnreachable(f"worker {url} is not usable yet: {error}")
+            worker.healthy = True
+        return worker
 
     async def remove_worker(self, url: str) -> WorkerInfo | None:
         """Start draining the worker at ``url`` (None if unknown); it stays

@@ -9,7 +9,12 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from gateway.routing.config import RouterConfig
-from gateway.routing.probe import WorkerProbe, WorkerUnreachable
+from gateway.routing.probe import (
+    WorkerError,
+    WorkerProbe,
+    WorkerRefused,
+    WorkerUnreachable,
+)
 from gateway.routing.router import Router
 from gateway.routing.workers import WorkerInfo
 from protocol.aio import cancel_and_wait
@@ -17,11 +22,23 @@ from protocol.aio import cancel_and_wait
 log = logging.getLogger("gateway.router")
 
 
+Check = Callable[[WorkerInfo], Awaitable[None]]
+"""An admission check of a worker: returns when the worker may take
+requests; raises ``WorkerRefused`` (it cannot, until fixed) or
+``WorkerUnreachable`` / ``httpx.HTTPError`` (it did not answer) with the reason."""
+
+
 class HealthChecker:
     """Polls every worker's /health and /server_info every
     ``config.health_interval_s``: ``config.unhealthy_after`` failed checks in a
     row mark a worker unhealthy, one passing check re-admits it, and each
     passing check refreshes endpoints and stats.
+
+    Before a worker takes requests (when it is first seen, whenever it comes
+    back from being down, and after a restart) it must pass the ``checks``
+    (``admit``): one that fails them stays out of routing with the reason in
+    its ``last_error`` (and ``refused``), logged once, and is checked again
+    every round, so that a fixed worker joins.
 
     Use ``await start()`` / ``await stop()`` or ``async with``. ``probe`` is
     where the HTTP calls go; without one it makes its own, over ``client`` (or
@@ -47,6 +64,10 @@ class HealthChecker:
         self.after_round: list[Callable[[], Awaitable[None]]] = []
         """Called after every round of checks (e.g. to close clients of workers
         that left)."""
+        self.checks: list[Check] = []
+        """Admission checks, in order (``admit``)."""
+        self._told: dict[str, str] = {}
+        """URL -> the problem last logged for that worker (each is logged once)."""
 
     @property
     def running(self) -> bool:
@@ -74,11 +95,41 @@ class HealthChecker:
         worker.update_from_server_info(info)
         if restarted:
             self.router.restarted(worker)
+        vet = not worker.healthy or restarted or worker.refused is not None
+        if vet and not await self.admit(worker):
+            return False
         worker.consecutive_failures = 0
         if not worker.healthy:
             log.info("worker %s is %s", worker.url, "up" if first else "healthy again")
         worker.healthy = True
         return True
+
+    async def admit(self, worker: WorkerInfo) -> bool:
+        """Run the admission ``checks`` on ``worker`` (whose /server_info is
+        in ``worker.info``). True if it passed them (it is not marked healthy
+        here); else it is out of routing, with the reason in ``last_error``
+        (and in ``refused`` when it answers but cannot serve), logged once."""
+        try:
+            for check in self.checks:
+                await check(worker)
+        except WorkerRefused as e:
+            self._down(worker, str(e), refused=True)
+            return False
+        except (httpx.HTTPError, WorkerError) as e:
+            self._down(worker, f"{type(e).__name__}: {e}", refused=False)
+            return False
+        worker.refused = None
+        self._told.pop(worker.url, None)
+        return True
+
+    def _down(self, worker: WorkerInfo, reason: str, refused: bool) -> None:
+        """``worker`` failed its admission checks: out of routing now."""
+        worker.healthy = False
+        worker.last_error = reason
+        worker.refused = reason if refused else None
+        if self._told.get(worker.url) != reason:
+            self._told[worker.url] = reason
+            log.warning("worker %s is not usable: %s", worker.url, reason)
 
     def _failed(self, worker: WorkerInfo, error: str) -> None:
         worker.consecutive_failures += 1

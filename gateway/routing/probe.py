@@ -1,11 +1,16 @@
-"""The gateway's HTTP calls to a worker's front (``/health`` and
-``/server_info``), and how they fail."""
+"""The gateway's HTTP calls to a worker's front (``/health``,
+``/server_info`` and ``/tokenizer``), and how they fail."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import httpx
+
+from protocol import tokenizer_files
+
+TOKENIZER_TIMEOUT_S = 30.0
+"""HTTP timeout of ``GET /tokenizer`` (a large tokenizer.json is megabytes)."""
 
 
 class WorkerError(RuntimeError):
@@ -14,6 +19,20 @@ class WorkerError(RuntimeError):
 
 class WorkerUnreachable(WorkerError):
     """The worker did not answer /server_info (connection, timeout or HTTP error)."""
+
+
+class WorkerRefused(WorkerError):
+    """The worker answers but cannot serve this gateway's requests (it serves
+    no tokenizer, another model, or its request plane refuses the handshake):
+    it takes no requests until a later check finds it fixed."""
+
+
+def no_tokenizer(why: str) -> WorkerRefused:
+    return WorkerRefused(
+        f"it serves no tokenizer files ({why}), so the gateway cannot tokenize for it: "
+        "start it with a checkpoint directory that has tokenizer.json, or a preset "
+        "with --load-format dummy"
+    )
 
 
 class WorkerProbe:
@@ -62,6 +81,26 @@ class WorkerProbe:
         if not isinstance(info, dict):
             raise WorkerUnreachable(f"{url}/server_info sent {type(info).__name__}, not an object")
         return info
+
+    async def tokenizer_files(self, url: str) -> dict[str, bytes]:
+        """GET ``url``/tokenizer: the tokenizer files, name -> bytes. Raises
+        ``WorkerRefused`` when the worker serves none (404, no tokenizer.json,
+        a body that is not the files), ``WorkerUnreachable`` on another status
+        (and ``httpx.HTTPError`` when the call itself fails)."""
+        resp = await self.http().get(f"{url}/tokenizer", timeout=TOKENIZER_TIMEOUT_S)
+        if resp.status_code == 404:
+            raise no_tokenizer("GET /tokenizer answered 404")
+        if resp.status_code != 200:
+            raise WorkerUnreachable(
+                f"{url}/tokenizer answered {resp.status_code}: {resp.text[:200]}"
+            )
+        try:
+            files = tokenizer_files.unpack(resp.json())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise no_tokenizer(f"GET /tokenizer sent no files: {type(e).__name__}") from e
+        if "tokenizer.json" not in files:
+            raise no_tokenizer("GET /tokenizer sent no tokenizer.json")
+        return files
 
     async def close(self) -> None:
         if self._client is not None and self._owns_client:

@@ -125,6 +125,22 @@ class Router:
             worker.healthy = False
             log.warning("worker %s is out of routing: %s", worker.url, reason)
 
+    def refused(self, pool: WorkerPool) -> bool:
+        """Whether every worker of ``pool`` (draining ones aside; at least one)
+        answers but cannot serve (``WorkerInfo.refused``): none will take a
+        request until someone fixes one, so waiting for one is pointless."""
+        workers = pool.list(include_draining=False)
+        return bool(workers) and all(w.refused is not None for w in workers)
+
+    def why_unavailable(self, pool: WorkerPool) -> str:
+        """Why each worker of ``pool`` that cannot take a request now cannot,
+        one clause each (empty: none is listed)."""
+        return "; ".join(
+            f"{w.role} worker {w.url}: {w.refused or w.last_error or 'not up yet'}"
+            for w in pool.list(include_draining=False)
+            if not self.is_available(w)
+        )
+
     # -- routing
 
     def is_available(self, worker: WorkerInfo) -> bool:

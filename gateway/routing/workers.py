@@ -43,6 +43,11 @@ class WorkerInfo:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     last_error: str | None = None
+    refused: str | None = None
+    """Why the worker, though it answers, cannot serve this gateway's
+    requests (no tokenizer, another model, a failed request-plane
+    handshake); None once it passes its checks. It stays out of routing
+    meanwhile, and is checked again every health round."""
     stats: dict[str, Any] = field(default_factory=dict)
     """The "stats" object of the last /server_info."""
     info: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +101,7 @@ class WorkerInfo:
             "outstanding_requests": self.outstanding_requests,
             "outstanding_tokens": self.outstanding_tokens,
             "last_error": self.last_error,
+            "refused": self.refused,
             "stats": self.stats,
         }
 
