@@ -243,12 +243,12 @@ def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.context_length)])
+        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         _check_model(state, model_id)
-        return ModelCard(id=state.model_name, max_model_len=state.context_length)
+        return ModelCard(id=state.model_name, max_model_len=state.max_model_len)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -446,7 +446,7 @@ async def _admit(
     n = req.n or 1
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
     tokens = sum(
-        n * (len(ids) + (asked or max(0, state.context_length - len(ids)))) for ids in prompts
+        n * (len(ids) + (asked or max(0, state.max_model_len - len(ids)))) for ids in prompts
     )
     try:
         await state.admit(tokens)
@@ -499,12 +499,14 @@ async def _generate(
     stops = stop_strings(req.stop)
     requested, max_tokens_param = requested_max_tokens(req, shape.default_max_tokens)
     choice_prompts, specs = [], []
+    max_model_len = state.max_model_len
     for ids in prompts:
         max_tokens = check_lengths(
             ids,
             requested,
             shape.prompt_param,
             context_length=state.context_length,
+            max_model_len=max_model_len,
             max_prompt_tokens=cfg.max_prompt_tokens,
             max_tokens_param=max_tokens_param,
         )
@@ -516,7 +518,10 @@ async def _generate(
         specs = [with_grammar(s, constraint.grammar) for s in specs]
     rid = shape.id_prefix + secrets.token_hex(12)
     traces = [RequestTrace(received or tokenized, tokenized) for _ in specs]
-    error_params = {"grammar": constraint.param} if constraint.param else None
+    # The request fields behind what a worker may refuse of the request itself.
+    error_params = {"prompt": shape.prompt_param}
+    if constraint.param:
+        error_params["grammar"] = constraint.param
     gens = [
         choice_stream(
             state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}", traces[i], error_params

@@ -34,6 +34,23 @@ log = logging.getLogger("gateway.dispatch")
 PREFILL_DONE = "prefill_done"
 """Finish reason of prefill's single delta when decoding continues elsewhere."""
 
+_PROMPT_FAULTS = ("prompt has ", "prompt is empty", "prompt token id ")
+"""How the engine's refusals of a prompt that can never run begin (too long
+for the model or its KV pool, empty, ids outside the vocabulary): refusals
+of the request itself, which name no parameter (``TokenDelta.error_param``)."""
+
+
+def request_fault(delta: TokenDelta) -> str | None:
+    """The request parameter at fault when a worker refused ``delta``'s
+    request for the request itself (it would fail on any worker): the
+    delta's ``error_param``, or "prompt" for the engine's refusals of a
+    prompt; None when the worker failed it."""
+    if delta.error_param is not None:
+        return delta.error_param
+    if delta.error is not None and delta.error.startswith(_PROMPT_FAULTS):
+        return "prompt"
+    return None
+
 
 class NoWorkerAvailable(RuntimeError):
     """No healthy worker can take the request (HTTP 503)."""
@@ -398,8 +415,8 @@ def _note(
     if first and delta.retry and delta.finish_reason == "error":
         raise _NotDispatched(worker, WorkerDraining(delta.error or "worker is draining"))
     if delta.finish_reason is not None:
-        # A request refused for its own parameters is no failure of the worker.
-        if delta.finish_reason == "error" and delta.error_param is None:
+        # A request refused for itself is no failure of the worker.
+        if delta.finish_reason == "error" and request_fault(delta) is None:
             failed.add(worker)
         if delta.stages is not None and trace is not None:
             trace.report(worker.role, delta.stages)

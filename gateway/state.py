@@ -244,6 +244,20 @@ class GatewayState:
             )
 
     @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens a request may have: the least of the
+        workers' limits (``WorkerInfo.token_limit``: a KV pool may hold fewer
+        tokens than the context length), over the workers that passed their
+        checks; the model's context length while none tells."""
+        limits = [
+            w.token_limit
+            for w in self.router.workers()
+            if w.info and w.refused is None and not w.draining
+        ]
+        known = [x for x in limits if x is not None]
+        return min(known) if known else self.context_length
+
+    @property
     def vocab_size(self) -> int:
         """Token ids a request may carry are in [0, this): ids the tokenizer
         knows and, where the worker tells, the model can embed (a model's

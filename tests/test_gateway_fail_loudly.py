@@ -1,9 +1,11 @@
 """Failures the gateway reports for what they are, with worker processes
 (tiny model, CPU, tcp KV transfer): a worker it cannot use says why (no
 tokenizer, a cluster token that differs) in /health, /metrics, one log line
-and a 503, instead of a gateway that exits or looks healthy. Without
-workers: a tool call cut by the length limit leaves no markup in the
-content.
+and a 503, instead of a gateway that exits or looks healthy; a prompt that
+fits the context but not the workers' KV pools is a 400, and /v1/models
+reports the limit that holds. Without workers: the engine's refusal of a
+prompt is a 400, and a tool call cut by the length limit leaves no markup
+in the content.
 
 One prefill and one decode worker (the decode worker's KV pool holds fewer
 tokens than the context) and a gateway over them are started once for the
@@ -40,8 +42,10 @@ from workers import (
     worker_cmd,
 )
 
-from gateway.openai.choices import ChoiceEvent
+from gateway.openai.choices import ChoiceEvent, choice_stream
+from gateway.openai.errors import APIError
 from gateway.openai.tools import tool_call_events
+from gateway.text import Tokenizer
 from gateway.text.tool_parsers import (
     ForcedToolParser,
     HermesToolParser,
@@ -49,6 +53,8 @@ from gateway.text.tool_parsers import (
     ToolCall,
     ToolCallParser,
 )
+from protocol.sampling import SamplingParams
+from protocol.to_gateway import TokenDelta
 from worker.config import CLUSTER_TOKEN_ENV
 
 TOKEN = "fail-loudly-cluster-secret"
@@ -62,6 +68,7 @@ ENGINE: dict[str, Any] = dict(
 )
 HEALTH_INTERVAL_S = 0.2
 START_TIMEOUT_S = 60.0
+DRAIN_TIMEOUT_S = 20.0
 LOGS: list[Path] = []
 """Logs of this module's live processes, printed when a test fails."""
 
@@ -163,6 +170,92 @@ def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 yield Cluster(p, d, gw)
         finally:
             LOGS.clear()
+
+
+def free_pages(workers: Sequence[Worker]) -> dict[str, int]:
+    return {w.name: w.stats()["available_pages"] for w in workers}
+
+
+def assert_pools_back(workers: Sequence[Worker], start: dict[str, int]) -> None:
+    """Every worker idle, its KV pool back to its starting free-page count."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while True:
+        stats = {w.name: w.stats() for w in workers}
+        now = {name: s["available_pages"] for name, s in stats.items()}
+        busy = {n: s for n, s in stats.items() if s["running"] or s.get("in_flight")}
+        if now == start and not busy:
+            return
+        assert time.monotonic() < deadline, f"pools not back: {now} != {start}; busy {busy}"
+        time.sleep(0.05)
+
+
+def prompt_ids(n: int) -> list[int]:
+    """``n`` token ids of the tiny model (in [3, 500): no special tokens)."""
+    return [3 + (7 * i) % 497 for i in range(n)]
+
+
+# -- a prompt that fits the context but not the KV pool ----------------------------
+
+
+def test_max_model_len_is_what_the_pools_hold(cluster: Cluster) -> None:
+    gw = cluster.gw
+    limits = [w.info()["max_model_len"] for w in cluster.workers]
+    limit = min(limits)
+    assert limit == (DECODE_PAGES - 1) * PAGE_SIZE < CONTEXT
+    model = gw.client().models.list().data[0]
+    assert model.model_extra and model.model_extra["max_model_len"] == limit
+    start = free_pages(cluster.workers)
+
+    client = gw.client()
+    # A prompt the decode pool cannot hold: a 400 that says why, not a
+    # retryable 502.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model.id, prompt=prompt_ids(limit + 6), max_tokens=1)
+    err = e.value
+    assert err.status_code == 400 and err.type == "invalid_request_error"
+    assert err.param == "prompt" and str(limit) in err.message and "KV pool" in err.message
+    # Prompt plus max_tokens beyond the limit: max_tokens is at fault.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model.id, prompt=prompt_ids(limit - 20), max_tokens=40)
+    assert e.value.param == "max_tokens" and str(limit) in e.value.message
+    # One that fits runs, on both workers.
+    resp = client.completions.create(
+        model=model.id,
+        prompt=prompt_ids(limit - 20),
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 8
+    assert_pools_back(cluster.workers, start)
+
+
+def test_engine_refusal_of_a_prompt_is_a_400(model_dir: str) -> None:
+    """A prompt the engine refuses for itself (an error naming no parameter)
+    can never succeed anywhere: a 400 naming the prompt, not a retryable 502."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    message = (
+        "prompt has 300 tokens; this model serves at most 124 tokens of prompt plus "
+        "output (what the KV pool holds) and at least one token must be generated"
+    )
+
+    class Refusing:
+        async def stream(self, *_: Any, **__: Any) -> AsyncIterator[TokenDelta]:
+            yield TokenDelta("r", [], [], "error", 0, message)
+
+    async def go() -> APIError:
+        spec = SamplingParams(max_tokens=2)
+        stream = choice_stream(
+            Refusing(), tokenizer, [5] * 300, spec, [], "r", None, {"prompt": "messages"}
+        )  # type: ignore[arg-type]
+        with pytest.raises(APIError) as e:
+            async for _ in stream:
+                pass
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert err.param == "messages" and err.message == message
 
 
 # -- a worker the gateway cannot use says why ----------------------------------------

@@ -330,6 +330,7 @@ def test_first_contact_failure_lists_the_worker_as_down(
             await state.health.check_all()
             assert listed.healthy and listed.refused is None
             assert state.ready and state.model_name == "tiny"
+            assert state.max_model_len == 200
 
     asyncio.run(go())
 
@@ -365,6 +366,8 @@ def test_worker_of_another_model_is_refused(fleet: Fleet) -> None:
             assert not w[resized.url].healthy
             assert "vocabulary of 1024 tokens" in (w[resized.url].refused or "")
             assert state.router.pick_decode([1, 2, 3], with_prefill=True) is w[same.url]
+            # The served limit: the least that the usable workers take.
+            assert state.max_model_len == 120
 
     asyncio.run(go())
 

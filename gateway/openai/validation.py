@@ -307,27 +307,43 @@ def check_lengths(
     context_length: int,
     max_prompt_tokens: int | None,
     max_tokens_param: str = "max_tokens",
+    max_model_len: int | None = None,
 ) -> int:
     """The request's max_tokens for ``prompt`` (``max_tokens`` None: the rest
-    of the context window); errors about it name ``max_tokens_param``."""
+    of the window); errors about it name ``max_tokens_param``. The window is
+    ``max_model_len`` where it is less than the context length (the workers'
+    KV pools hold fewer tokens): a prompt that does not fit it could never
+    run, and is refused here rather than by a worker."""
     if not prompt:
         raise APIError(400, "the prompt is empty", param=param)
-    if max_prompt_tokens and len(prompt) > max_prompt_tokens:
+    n = len(prompt)
+    if max_prompt_tokens and n > max_prompt_tokens:
         raise APIError(
             400,
-            f"prompt has {len(prompt)} tokens; the limit is {max_prompt_tokens}",
+            f"prompt has {n} tokens; the limit is {max_prompt_tokens}",
             param=param,
         )
-    room = context_length - len(prompt)
-    if max_tokens is None:
-        max_tokens = room
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"{max_tokens_param} must be at least 1", param=max_tokens_param)
-    if len(prompt) + max_tokens > context_length:
+    limit = context_length
+    if max_model_len is not None and 0 < max_model_len < context_length:
+        limit = max_model_len
+    room = limit - n
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        if limit < context_length:
+            window = (
+                f"this server takes at most {limit} tokens of prompt plus output per request "
+                f"(what its workers' KV pools hold; the model's context length is "
+                f"{context_length})"
+            )
+        else:
+            window = f"this model's maximum context length is {limit} tokens"
+        asks = "" if max_tokens is None else f" and asks for {max_tokens} more"
+        if room < 1:
+            asks += "; at least one token must be generated"
         raise APIError(
             400,
-            f"this model's maximum context length is {context_length} tokens; the request has "
-            f"{len(prompt)} prompt tokens and asks for {max_tokens} more",
+            f"{window}; the request has {n} prompt tokens{asks}",
             param=max_tokens_param if room > 0 else param,
         )
-    return max_tokens
+    return room if max_tokens is None else max_tokens

@@ -35,6 +35,9 @@ class WorkerInfo:
     """KV-plane bootstrap endpoint (prefill/decode roles; None for "both")."""
     page_size: int | None = None
     context_length: int | None = None
+    max_model_len: int | None = None
+    """Longest prompt plus output the worker takes: its context length, or
+    fewer where its KV pool holds fewer tokens (None: not reported)."""
     healthy: bool = True
     draining: bool = False
     """Removed: takes no new requests; dropped once ``outstanding_requests`` is 0."""
@@ -75,10 +78,20 @@ class WorkerInfo:
         self.bootstrap_endpoint = info.get("bootstrap_endpoint", self.bootstrap_endpoint)
         self.page_size = info.get("page_size", self.page_size)
         self.context_length = info.get("context_length", self.context_length)
+        self.max_model_len = info.get("max_model_len", self.max_model_len)
         stats = info.get("stats")
         if isinstance(stats, dict):
             self.stats = dict(stats)
         self.info = dict(info)
+
+    @property
+    def token_limit(self) -> int | None:
+        """Prompt plus output tokens one request may have on this worker:
+        ``max_model_len``, else ``context_length`` (None: neither reported)."""
+        for limit in (self.max_model_len, self.context_length):
+            if type(limit) is int and limit > 0:
+                return limit
+        return None
 
     @property
     def load(self) -> tuple[int, int]:
@@ -94,6 +107,7 @@ class WorkerInfo:
             "bootstrap_endpoint": self.bootstrap_endpoint,
             "page_size": self.page_size,
             "context_length": self.context_length,
+            "max_model_len": self.max_model_len,
             "healthy": self.healthy,
             "draining": self.draining,
             "breaker": self.breaker.state,
@@ -169,6 +183,7 @@ class WorkerPool:
         old.bootstrap_endpoint = worker.bootstrap_endpoint
         old.page_size = worker.page_size
         old.context_length = worker.context_length
+        old.max_model_len = worker.max_model_len
         if worker.info:
             old.info = worker.info
             old.stats = worker.stats
