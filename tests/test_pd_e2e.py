@@ -779,7 +779,7 @@ def test_decode_pool_full(pd: PD, odd: Odd, offline: LLM) -> None:
     capacity = SMALL_POOL_PAGES - 1
     a_prompt, a_spec = random_prompt(60, seed=9), greedy(20)  # 15 pages, 20 at the end
     b_prompt, b_spec = random_prompt(40, seed=10), greedy(8)  # 10 pages: waits for "a"
-    c_prompt, c_spec = random_prompt(100, seed=11), greedy(8)  # 27 pages > 24: never fits
+    c_prompt, c_spec = random_prompt(100, seed=11), greedy(8)  # > 24 pages of 4: never fits
     exp_a, exp_b = offline.generate([a_prompt, b_prompt], [params_of(a_spec), params_of(b_spec)])
 
     async def never_fits(pc: WorkerClient, dc: WorkerClient) -> PDResult:
@@ -817,5 +817,5 @@ def test_decode_pool_full(pd: PD, odd: Odd, offline: LLM) -> None:
     check_matches(b, exp_b, "request that waited for pages")
     d_err = final(c.decode)
     assert d_err.finish_reason == "error"
-    assert f"needs 27 KV pages but the pool holds {capacity}" in (d_err.error or ""), d_err
+    assert f"KV pool holds at most {capacity * 4} tokens" in (d_err.error or ""), d_err
     assert [x.finish_reason for x in c.prefill] == ["abort"], c.prefill

@@ -67,7 +67,7 @@ def test_every_flag_explains_its_default() -> None:
 def test_cli_choices_come_from_the_registries() -> None:
     actions = {a.dest: a for a in prefill_parser()._actions}
     assert list(actions["attention_backend"].choices) == ["auto", *sorted(ATTENTION_BACKENDS)]
-    assert sorted(actions["transfer_backend"].choices) == sorted(TRANSFER_BACKENDS)
+    assert list(actions["transfer_backend"].choices) == ["auto", *sorted(TRANSFER_BACKENDS)]
     for name in ATTENTION_BACKENDS:
         assert issubclass(get_attention_backend(name), AttentionBackend)
 
@@ -83,7 +83,9 @@ def _other_value(flag: Flag) -> Any:
     if flag.kind is int:
         return 7 if default is None else default + 1
     if flag.kind is float:
-        return 1.5 if default is None else default * 2 + 1
+        if default is None:
+            return 1.5
+        return default / 2 if 0 < default <= 1 else default * 2 + 1  # a fraction stays one
     # A leading dash must not read as an option.
     return "-dash" if default is None else f"{default}-x"
 
