@@ -9,6 +9,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import zmq
 
 from gateway import routing
@@ -22,6 +23,7 @@ from protocol.client import (
     WorkerDisconnected,
     WorkerError,
     WorkerHandshakeFailed,
+    WorkerTimeout,
     WorkerUnreachable,
 )
 from protocol.sampling import SamplingParams
@@ -33,6 +35,12 @@ log = logging.getLogger("gateway.dispatch")
 
 PREFILL_DONE = "prefill_done"
 """Finish reason of prefill's single delta when decoding continues elsewhere."""
+
+WORKER_STOPPED = "worker is shutting down"
+"""The error a worker's engine process gives every request it still has when
+it stops: after a drain that ran out of time, but also when its front process
+died under it (killed). Which one it was, the gateway tells by whether the
+worker said it was draining (``WorkerInfo.stopping``)."""
 
 _PROMPT_FAULTS = ("prompt has ", "prompt is empty", "prompt token id ")
 """How the engine's refusals of a prompt that can never run begin (too long
@@ -71,9 +79,37 @@ class _NotDispatched(Exception):
 
     def error(self) -> WorkerError:
         """What the caller sees when no other worker is left to try."""
-        if isinstance(self.cause, WorkerError):
-            return self.cause
-        return WorkerError(f"worker {self.worker.url} cannot take requests: {self.cause}")
+        return worker_error(self.worker, self.cause)
+
+
+def worker_error(worker: WorkerInfo, e: BaseException) -> WorkerError:
+    """``e``, a failure of ``worker``, told of the worker (its role and URL,
+    not its request-plane endpoint); of the client's type where it has one."""
+    what = f"{worker.role} worker {worker.url}"
+    if isinstance(e, WorkerClientClosed):
+        return e
+    if isinstance(e, WorkerDisconnected):
+        return WorkerDisconnected(f"{what} failed (connection lost)")
+    if isinstance(e, WorkerTimeout):
+        return WorkerTimeout(f"{what} failed ({e})")
+    if isinstance(e, WorkerDraining):
+        return WorkerDraining(f"{what} is shutting down (draining): it takes no new requests")
+    if isinstance(e, WorkerUnreachable):
+        return WorkerUnreachable(f"{what} cannot take requests: {e}")
+    if isinstance(e, WorkerError):
+        return WorkerError(f"{what} failed ({e})")
+    return WorkerError(f"{what} cannot take requests: {e}")
+
+
+def _failure_text(worker: WorkerInfo, error: str | None) -> str:
+    """The error of a request that ``worker`` failed (its final delta's
+    ``error``), told of the worker."""
+    what = f"{worker.role} worker {worker.url}"
+    if error == WORKER_STOPPED:
+        if worker.stopping:
+            return f"{what} is shutting down: it stopped before the request ended"
+        return f"{what} failed (it stopped while serving the request)"
+    return f"{what} failed: {error or 'no reason given'}"
 
 
 class Dispatcher:
@@ -273,7 +309,7 @@ class Dispatcher:
                             async with contextlib.aclosing(gen):  # type: ignore[type-var]
                                 async for delta in gen:
                                     if first or delta.finish_reason is not None:
-                                        _note(delta, first, decode, failed, trace)
+                                        delta = _note(delta, first, decode, failed, trace)
                                         first = False
                                     started = True
                                     yield delta
@@ -281,7 +317,7 @@ class Dispatcher:
                             not_dispatched = _failure(e, first, decode, failed)
                             if not_dispatched is not None:
                                 raise not_dispatched from e
-                            raise
+                            raise worker_error(decode, e) from e
                     except _NotDispatched as e:
                         failed.add(e.worker)  # also one that could not be handed the request
                         raise
@@ -296,6 +332,7 @@ class Dispatcher:
                 return
             except _NotDispatched as e:
                 if isinstance(e.cause, WorkerDraining):
+                    e.worker.stopping = True
                     self.router.mark_down(e.worker, str(e.cause))
                 if started:  # prefill's token is out: the request cannot move
                     raise e.error() from None
@@ -390,14 +427,14 @@ async def _watch(
     first = True
     try:
         async for delta in gen:
-            _note(delta, first, worker, failed, trace)
+            delta = _note(delta, first, worker, failed, trace)
             first = False
             yield delta
     except WorkerError as e:
         not_dispatched = _failure(e, first, worker, failed)
         if not_dispatched is not None:
             raise not_dispatched from e
-        raise
+        raise worker_error(worker, e) from e
     finally:
         await gen.aclose()  # type: ignore[attr-defined]
 
@@ -408,18 +445,21 @@ def _note(
     worker: WorkerInfo,
     failed: set[WorkerInfo],
     trace: RequestTrace | None,
-) -> None:
+) -> TokenDelta:
     """``_watch``'s look at one delta of ``worker`` (``first``: the request's
     first): a refusal marked retryable is raised as ``_NotDispatched``; a final
-    delta notes whether the worker failed and the stages it reported."""
+    delta notes whether the worker failed and the stages it reported. Returns
+    the delta, with the error of one the worker failed told of the worker."""
     if first and delta.retry and delta.finish_reason == "error":
         raise _NotDispatched(worker, WorkerDraining(delta.error or "worker is draining"))
     if delta.finish_reason is not None:
+        if delta.stages is not None and trace is not None:
+            trace.report(worker.role, delta.stages)
         # A request refused for itself is no failure of the worker.
         if delta.finish_reason == "error" and request_fault(delta) is None:
             failed.add(worker)
-        if delta.stages is not None and trace is not None:
-            trace.report(worker.role, delta.stages)
+            return msgspec.structs.replace(delta, error=_failure_text(worker, delta.error))
+    return delta
 
 
 def _failure(

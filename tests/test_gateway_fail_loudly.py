@@ -1,11 +1,12 @@
 """Failures the gateway reports for what they are, with worker processes
 (tiny model, CPU, tcp KV transfer): a worker it cannot use says why (no
 tokenizer, a cluster token that differs) in /health, /metrics, one log line
-and a 503, instead of a gateway that exits or looks healthy; a prompt that
-fits the context but not the workers' KV pools is a 400, and /v1/models
-reports the limit that holds. Without workers: the engine's refusal of a
-prompt is a 400, and a tool call cut by the length limit leaves no markup
-in the content.
+and a 503, instead of a gateway that exits or looks healthy; a decode worker
+killed mid-request is a failed worker, not one "shutting down"; a prompt
+that fits the context but not the workers' KV pools is a 400, and
+/v1/models reports the limit that holds. Without workers: the engine's
+refusal of a prompt is a 400, a stopped worker's error names the worker,
+and a tool call cut by the length limit leaves no markup in the content.
 
 One prefill and one decode worker (the decode worker's KV pool holds fewer
 tokens than the context) and a gateway over them are started once for the
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from test_gateway_dispatch import FakeWorker, router_with
 from workers import (
     REPO,
     Worker,
@@ -42,6 +45,7 @@ from workers import (
     worker_cmd,
 )
 
+from gateway.dispatch import WORKER_STOPPED, Dispatcher
 from gateway.openai.choices import ChoiceEvent, choice_stream
 from gateway.openai.errors import APIError
 from gateway.openai.tools import tool_call_events
@@ -53,8 +57,11 @@ from gateway.text.tool_parsers import (
     ToolCall,
     ToolCallParser,
 )
+from protocol import to_gateway, to_worker
+from protocol.client import WorkerDisconnected
 from protocol.sampling import SamplingParams
-from protocol.to_gateway import TokenDelta
+from protocol.to_gateway import TokenDelta, Tokens
+from protocol.to_worker import Abort, Heartbeat
 from worker.config import CLUSTER_TOKEN_ENV
 
 TOKEN = "fail-loudly-cluster-secret"
@@ -328,6 +335,145 @@ def test_worker_without_tokenizer_is_refused_with_the_fix(
                 assert "Traceback" not in gw.log_path.read_text()
         finally:
             LOGS.remove(w.log_path)
+
+
+# -- a crashed decode worker ---------------------------------------------------------
+
+
+def test_killed_decode_worker_is_a_failed_worker(
+    cluster: Cluster, model_dir: str, tmp_path: Path
+) -> None:
+    """A decode worker whose process is SIGKILLed mid-stream: the client reads
+    that the decode worker failed, naming it, not that it is shutting down."""
+    p = cluster.prefill
+    spec = _spec(tmp_path, "decode-killed", "decode_server", "decode", model_dir, num_pages=256)
+    with launch_workers([spec], new_session=True) as (d,):
+        LOGS.append(d.log_path)
+        try:
+            start = free_pages([p])
+            args = ["--prefill", p.url, "--decode", d.url]
+            with gateway(tmp_path / "gateway.log", args, TOKEN) as gw:
+                client = gw.client()
+                model = client.models.list().data[0].id
+                stream = client.completions.create(
+                    model=model,
+                    prompt="Hello there",
+                    max_tokens=900,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                chunks = 0
+                with pytest.raises(openai.APIError) as e:
+                    for _ in stream:
+                        chunks += 1
+                        if chunks == 3:
+                            # The worker's own process, as a crash takes it:
+                            # its engine process is left to notice.
+                            os.kill(d.proc.pid, signal.SIGKILL)
+                message = str(e.value.message)
+                assert f"decode worker {d.url} failed" in message, message
+                assert "shutting down" not in message
+            assert_pools_back([p], start)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(d.proc.pid, signal.SIGKILL)
+            LOGS.remove(d.log_path)
+
+
+def test_draining_decode_worker_is_shutting_down(
+    cluster: Cluster, model_dir: str, tmp_path: Path
+) -> None:
+    """A decode worker stopped with SIGTERM drains (its /health says so) and
+    then ends what is still running: that request reads that the worker is
+    shutting down."""
+    p = cluster.prefill
+    spec = _spec(
+        tmp_path, "decode-drained", "decode_server", "decode", model_dir,
+        num_pages=256, shutdown_timeout_s=1.0,
+    )  # fmt: skip
+    with launch_workers([spec]) as (d,):
+        LOGS.append(d.log_path)
+        try:
+            start = free_pages([p])
+            args = ["--prefill", p.url, "--decode", d.url]
+            with gateway(tmp_path / "gateway.log", args, TOKEN) as gw:
+                client = gw.client()
+                model = client.models.list().data[0].id
+                stream = client.completions.create(
+                    model=model,
+                    prompt="Hello there",
+                    max_tokens=900,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                chunks = 0
+                with pytest.raises(openai.APIError) as e:
+                    for _ in stream:
+                        chunks += 1
+                        if chunks == 3:
+                            d.proc.send_signal(signal.SIGTERM)
+                message = str(e.value.message)
+                assert f"decode worker {d.url} is shutting down" in message, message
+            assert_pools_back([p], start)
+        finally:
+            LOGS.remove(d.log_path)
+
+
+class StoppingWorker(FakeWorker):
+    """Answers one token, then the error an engine process sends when it stops."""
+
+    async def _serve(self) -> None:
+        while True:
+            ident, frame = await self.sock.recv_multipart()
+            msg = to_worker.decoder.decode(frame)
+            if isinstance(msg, (Heartbeat, Abort)):
+                continue
+            self.requests.append(msg.rid)
+            deltas = [
+                TokenDelta(msg.rid, [10], [-0.5]),
+                TokenDelta(msg.rid, [], [], "error", 0, WORKER_STOPPED),
+            ]
+            for delta in deltas:
+                await self.sock.send_multipart([ident, to_gateway.encoder.encode(Tokens([delta]))])
+
+
+def test_stopped_worker_errors_name_the_worker() -> None:
+    """The error a stopping engine sends is a failure of that worker unless
+    the worker said it was draining; a dropped connection is a failure of
+    the worker (named by its URL, not its request-plane endpoint)."""
+    spec = SamplingParams(max_tokens=3, temperature=0.0)
+
+    async def last_error(worker: FakeWorker, stopping: bool) -> str:
+        router, (w,) = router_with(worker.endpoint)
+        w.stopping = stopping
+        d = Dispatcher(router, timeout_s=10, connect_timeout_s=1)
+        try:
+            deltas = [x async for x in d.stream([1, 2], spec)]
+        finally:
+            await d.close()
+        assert deltas[-1].finish_reason == "error"
+        assert w.breaker.failures == 1
+        return deltas[-1].error or ""
+
+    async def go() -> None:
+        async with StoppingWorker() as worker:
+            crashed = await last_error(worker, stopping=False)
+            assert crashed.startswith("both worker http://worker-0 failed"), crashed
+            assert "shutting down" not in crashed
+            drained = await last_error(worker, stopping=True)
+            assert drained.startswith("both worker http://worker-0 is shutting down"), drained
+        async with FakeWorker(tokens=3, die_after=1) as dying:
+            router, _ = router_with(dying.endpoint)
+            d = Dispatcher(router, timeout_s=10, connect_timeout_s=1)
+            try:
+                with pytest.raises(WorkerDisconnected) as e:
+                    async for _ in d.stream([1, 2], spec):
+                        pass
+            finally:
+                await d.close()
+            assert str(e.value) == "both worker http://worker-0 failed (connection lost)"
+
+    asyncio.run(go())
 
 
 # -- a tool call cut by the length limit ----------------------------------------------

@@ -132,9 +132,8 @@ async def choice_stream(
     except NoWorkerAvailable as e:
         raise APIError(503, str(e), type_="server_error", code="no_worker") from None
     except WorkerError as e:
-        raise APIError(
-            502, f"worker failed: {e}", type_="server_error", code="upstream_error"
-        ) from None
+        # The dispatcher's errors name the worker and what befell it.
+        raise APIError(502, str(e), type_="server_error", code="upstream_error") from None
     finally:
         await stream.aclose()
 

@@ -34,6 +34,7 @@ from gateway.routing.probe import (
     WorkerError,
     WorkerProbe,
     WorkerRefused,
+    WorkerStopping,
     WorkerUnreachable,
 )
 from gateway.routing.router import Router
@@ -61,6 +62,7 @@ __all__ = [
     "WorkerProbe",
     "WorkerRefused",
     "WorkerRoleMismatch",
+    "WorkerStopping",
     "WorkerUnreachable",
     "block_keys",
     "normalize_url",

@@ -13,6 +13,7 @@ from gateway.routing.probe import (
     WorkerError,
     WorkerProbe,
     WorkerRefused,
+    WorkerStopping,
     WorkerUnreachable,
 )
 from gateway.routing.router import Router
@@ -86,6 +87,8 @@ class HealthChecker:
                     f"now reports role {info.get('role')!r}, registered as {worker.role!r}"
                 )
         except (httpx.HTTPError, WorkerUnreachable) as e:
+            if isinstance(e, WorkerStopping):
+                worker.stopping = True
             self._failed(worker, f"{type(e).__name__}: {e}")
             return False
         first = not worker.info
@@ -93,6 +96,7 @@ class HealthChecker:
             worker.role = info["role"]
         restarted = worker.info.get("started_at") not in (None, info.get("started_at"))
         worker.update_from_server_info(info)
+        worker.stopping = False
         if restarted:
             self.router.restarted(worker)
         vet = not worker.healthy or restarted or worker.refused is not None

@@ -21,6 +21,10 @@ class WorkerUnreachable(WorkerError):
     """The worker did not answer /server_info (connection, timeout or HTTP error)."""
 
 
+class WorkerStopping(WorkerUnreachable):
+    """The worker's /health says it is draining before it stops."""
+
+
 class WorkerRefused(WorkerError):
     """The worker answers but cannot serve this gateway's requests (it serves
     no tokenizer, another model, or its request plane refuses the handshake):
@@ -64,6 +68,8 @@ class WorkerProbe:
         (and ``httpx.HTTPError`` when the call itself fails)."""
         resp = await self.http().get(f"{url}/health")
         if resp.status_code != 200:
+            if _json_status(resp) == "draining":
+                raise WorkerStopping(f"/health answered {resp.status_code}: draining")
             raise WorkerUnreachable(f"/health answered {resp.status_code}")
 
     async def server_info(self, url: str) -> dict[str, Any]:
@@ -106,3 +112,12 @@ class WorkerProbe:
         if self._client is not None and self._owns_client:
             await self._client.aclose()
             self._client = None
+
+
+def _json_status(resp: httpx.Response) -> Any:
+    """The "status" member of a JSON object body (None: no such body)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return None
+    return body.get("status") if isinstance(body, dict) else None

@@ -51,6 +51,9 @@ class WorkerInfo:
     requests (no tokenizer, another model, a failed request-plane
     handshake); None once it passes its checks. It stays out of routing
     meanwhile, and is checked again every health round."""
+    stopping: bool = False
+    """The worker said it is draining before it stops (its /health, or a
+    request it refused as retryable); cleared by a passing health check."""
     stats: dict[str, Any] = field(default_factory=dict)
     """The "stats" object of the last /server_info."""
     info: dict[str, Any] = field(default_factory=dict)
