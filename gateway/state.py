@@ -20,6 +20,7 @@ from gateway.routing import (
     Router,
     WorkerAdmin,
     WorkerError,
+    WorkerNotAdmitted,
     WorkerRefused,
     WorkerUnreachable,
 )
@@ -80,12 +81,9 @@ class GatewayState:
             for url in urls:
                 try:
                     await self.admin.add_worker(url, role)
+                except WorkerNotAdmitted:
+                    pass  # listed, out of routing; the health checker logged why
                 except (WorkerError, ValueError, httpx.HTTPError) as e:
-                    listed = self.router.get(url)
-                    if listed is not None and listed.info:
-                        # It answered and failed its admission checks: listed,
-                        # out of routing, and the health checker logged why.
-                        continue
                     # Not up yet; or a role other than the one named, a URL
                     # given twice (refused: no wait makes it right).
                     self._list_down(url, role, str(e), refused=not isinstance(e, WorkerUnreachable))
@@ -97,12 +95,12 @@ class GatewayState:
     def _list_down(self, url: str, role: str, error: str, refused: bool = False) -> None:
         """List the worker at ``url`` as down with ``error`` (logged)."""
         worker = self.router.get(url)
+        if worker is not None and worker.url not in self.router.pool_for(role):
+            # Named for both pools: the entry of the other one stays as it is.
+            log.error("worker %s is not added as %s: %s", worker.url, role, error)
+            return
         if worker is None:
-            try:
-                worker = self.router.add(WorkerInfo(url=url, role=role, healthy=False))
-            except ValueError as e:  # the URL is listed under the other role
-                log.error("worker %s is not added as %s: %s", url, role, e)
-                return
+            worker = self.router.add(WorkerInfo(url=url, role=role, healthy=False))
         worker.healthy = False
         worker.last_error = error
         if refused:

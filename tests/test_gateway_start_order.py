@@ -403,3 +403,41 @@ def test_cluster_token_mismatch_is_refused_until_fixed(
             assert listed.refused is None and state.ready
 
     asyncio.run(go())
+
+
+def test_worker_named_for_both_pools_keeps_its_own(fleet: Fleet) -> None:
+    """A prefill worker also named with --decode: its prefill entry serves;
+    the decode one is not added (logged), and nothing raises."""
+    worker = fleet.add("prefill")
+
+    async def go() -> None:
+        async with gateway_state(fleet, [worker.url], [worker.url]) as state:
+            await state.add_initial_workers()
+            (listed,) = state.router.workers()
+            assert listed.role == "prefill" and listed.healthy and listed.refused is None
+            assert state.ready
+
+    asyncio.run(go())
+
+
+def test_a_check_that_breaks_leaves_the_worker_down(fleet: Fleet) -> None:
+    """An admission check failing in a way nobody foresaw: the worker is down
+    with the reason, the gateway goes on, and a later round admits it."""
+    worker = fleet.add("both")
+    broken = [True]
+
+    async def check(_: Any) -> None:
+        if broken[0]:
+            raise KeyError("surprise")
+
+    async def go() -> None:
+        async with gateway_state(fleet, [], [worker.url]) as state:
+            state.health.checks.insert(0, check)
+            await state.add_initial_workers()
+            (listed,) = state.router.workers()
+            assert not listed.healthy and "surprise" in (listed.last_error or "")
+            broken[0] = False
+            await state.health.check_all()
+            assert listed.healthy and state.ready
+
+    asyncio.run(go())

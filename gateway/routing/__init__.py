@@ -16,7 +16,7 @@ nor any engine or worker module.
 - ``admin``: ``WorkerAdmin``, adding, removing and listing workers.
 """
 
-from gateway.routing.admin import WorkerAdmin, WorkerRoleMismatch
+from gateway.routing.admin import WorkerAdmin, WorkerNotAdmitted, WorkerRoleMismatch
 from gateway.routing.breaker import CircuitBreaker, Clock
 from gateway.routing.config import RouterConfig
 from gateway.routing.health import HealthChecker
@@ -58,6 +58,7 @@ __all__ = [
     "WorkerAdmin",
     "WorkerError",
     "WorkerInfo",
+    "WorkerNotAdmitted",
     "WorkerPool",
     "WorkerProbe",
     "WorkerRefused",

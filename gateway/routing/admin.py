@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from gateway.routing.probe import WorkerError, WorkerProbe, WorkerRefused, WorkerUnreachable
+from gateway.routing.probe import WorkerError, WorkerProbe, WorkerUnreachable
 from gateway.routing.router import Router
 from gateway.routing.workers import WorkerInfo, normalize_url
 from protocol.roles import BOTH, DECODE, ROLES
@@ -15,6 +15,16 @@ from protocol.roles import BOTH, DECODE, ROLES
 
 class WorkerRoleMismatch(WorkerError):
     """The worker reports another role than the one it was added as."""
+
+
+class WorkerNotAdmitted(WorkerError):
+    """The worker answered but failed its admission checks: it is registered,
+    out of routing (``refused``: it answers but cannot serve, see
+    ``WorkerInfo.refused``), and the reason was logged."""
+
+    def __init__(self, message: str, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class WorkerAdmin:
@@ -38,7 +48,7 @@ class WorkerAdmin:
         the worker's own; a different one raises ``WorkerRoleMismatch``. Raises
         ``WorkerUnreachable`` if the worker does not answer. A worker that
         fails the admission checks stays registered, out of routing, and
-        ``WorkerRefused`` (or ``WorkerUnreachable``) is raised with the reason."""
+        ``WorkerNotAdmitted`` is raised with the reason."""
         url = normalize_url(url)
         if role is not None and role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
@@ -69,9 +79,9 @@ class WorkerAdmin:
         if self.admit is not None:
             if not await self.admit(worker):
                 error = worker.last_error or "it failed its admission checks"
-                if worker.refused is not None:
-                    raise WorkerRefused(f"worker {url} is not usable: {error}")
-                raise WorkerUnreachable(f"worker {url} is not usable yet: {error}")
+                raise WorkerNotAdmitted(
+                    f"worker {url} is not usable: {error}", worker.refused is not None
+                )
             worker.healthy = True
         return worker
 

@@ -10,7 +10,6 @@ import httpx
 
 from gateway.routing.config import RouterConfig
 from gateway.routing.probe import (
-    WorkerError,
     WorkerProbe,
     WorkerRefused,
     WorkerStopping,
@@ -119,7 +118,7 @@ class HealthChecker:
         except WorkerRefused as e:
             self._down(worker, str(e), refused=True)
             return False
-        except (httpx.HTTPError, WorkerError) as e:
+        except Exception as e:  # no answer, or a check that failed otherwise: down
             self._down(worker, f"{type(e).__name__}: {e}", refused=False)
             return False
         worker.refused = None
