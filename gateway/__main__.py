@@ -257,7 +257,11 @@ def main(argv: list[str] | None = None) -> None:
         if not prefill and not decode and not args.wait_for_workers:
             from gateway.embedded import EmbeddedWorkers
 
-            emb = stack.enter_context(EmbeddedWorkers(_embedded_config(args), token))
+            try:
+                emb = stack.enter_context(EmbeddedWorkers(_embedded_config(args), token))
+            except RuntimeError as e:  # its own log says why, above
+                log.error("%s; its log above says why", e)
+                raise SystemExit(1) from None
             prefill, decode = (emb.prefill_url,), (emb.decode_url,)
             token = emb.cluster_token
         try:

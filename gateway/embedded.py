@@ -162,9 +162,11 @@ class EmbeddedWorkers:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
-        for proc, url in zip(self.procs, (self.prefill_url, self.decode_url)):
+        for proc, role, url in zip(
+            self.procs, ("prefill", "decode"), (self.prefill_url, self.decode_url)
+        ):
             left = max(0.0, deadline - time.monotonic())
-            wait_http_ok(proc, f"{url}/health", left, f"embedded worker {url}")
+            wait_http_ok(proc, f"{url}/health", left, f"the embedded {role} worker")
 
     def stop(self) -> None:
         stop_processes(self.procs, STOP_TIMEOUT_S)
