@@ -53,6 +53,10 @@ class MemoryPlan:
     graphs: int
     page_bytes: int
     reserve: int = RESERVE_BYTES
+    free_before_pool: int | None = None
+    """Free when the pool is about to be allocated: another engine that
+    started at the same moment read the same free memory at start, and may
+    have taken its share since."""
 
     @property
     def budget(self) -> int:
@@ -61,7 +65,17 @@ class MemoryPlan:
 
     @property
     def kv_bytes(self) -> int:
-        return self.budget - self.weights - self.activations - self.graphs
+        share = self.budget - self.weights - self.activations - self.graphs
+        if self.free_before_pool is None:
+            return share
+        return min(share, self.free_left)
+
+    @property
+    def free_left(self) -> int:
+        """What the pool may take of ``free_before_pool``: the activations and
+        graphs come after it, and the reserve stays free."""
+        assert self.free_before_pool is not None
+        return self.free_before_pool - self.activations - self.graphs - self.reserve
 
     @property
     def num_pages(self) -> int:
@@ -87,11 +101,16 @@ class MemoryPlan:
             if clamp
             else f"{self.utilization:g} of {g(self.total)} GiB"
         )
-        return (
+        line = (
             f"budget {g(self.budget)} GiB ({share}) - weights {g(self.weights)} "
             f"- activations {g(self.activations)} - CUDA graphs {g(self.graphs)} "
             f"= KV pool {g(max(0, self.kv_bytes))} GiB"
         )
+        if self.free_before_pool is not None and self.free_left < self.budget - (
+            self.weights + self.activations + self.graphs
+        ):
+            line += f" (capped: {g(self.free_before_pool)} GiB free before the pool)"
+        return line
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "budget": self.budget, "kv_bytes": self.kv_bytes}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -133,7 +134,7 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads = local_heads(model_config, tp)
         self.pool_sizing: dict[str, object] = {"sized_by": config.pool_sized_by}
         """How the KV pool was sized (for /server_info and the start-up log)."""
-        num_pages = config.num_pages
+        num_pages, plan = config.num_pages, None
         if num_pages is None:
             assert start is not None, "EngineConfig must be resolved first"
             plan = self._memory_plan(config, *start)
@@ -141,12 +142,26 @@ class ModelRunner:
             if tp is not None:  # every rank holds the same pages
                 num_pages = tp.all_min(num_pages)
             log.info("KV pool: %d pages; %s", num_pages, plan.describe())
+        try:
+            self.pool = KVPool(self._pool_config(num_pages, config))
+        except torch.OutOfMemoryError:
+            # Another engine on this GPU took memory between the reading and
+            # the allocation (they started together): size again from what
+            # is free now, once. Ranks of a group must agree, so they do not.
+            if plan is None or tp is not None:
+                raise
+            plan = replace(plan, free_before_pool=torch.cuda.mem_get_info(self.device)[0])
+            num_pages = plan.num_pages
+            log.warning(
+                "KV pool: memory was taken meanwhile: %d pages; %s", num_pages, plan.describe()
+            )
+            self.pool = KVPool(self._pool_config(num_pages, config))
+        if plan is not None:
             self.pool_sizing.update(plan.as_dict())
         config, warning = config.with_pool(num_pages)
         if warning:
             log.warning("%s", warning)
         self.config = config
-        self.pool = KVPool(self._pool_config(num_pages, config))
         self.pool_sizing.update(
             num_pages=num_pages,
             max_tokens=self.pool.allocator.capacity * config.page_size,
@@ -187,6 +202,7 @@ class ModelRunner:
         weights = torch.cuda.memory_allocated(self.device) - weights_from
         activations, graphs = self._profile(config)
         torch.cuda.empty_cache()  # the throw-away pool and its activations
+        torch.cuda.synchronize(self.device)
         mc = self.model_config
         return MemoryPlan(
             total=total,
@@ -195,6 +211,7 @@ class ModelRunner:
             weights=weights,
             activations=activations,
             graphs=graphs,
+            free_before_pool=torch.cuda.mem_get_info(self.device)[0],
             page_bytes=KVPoolConfig.bytes_per_page(
                 config.page_size, mc.num_layers, self.num_kv_heads, mc.head_dim, mc.dtype
             ),

@@ -84,6 +84,20 @@ def test_memory_plan_never_takes_more_than_was_free() -> None:
         _ = _plan(utilization=0.1).num_pages
 
 
+def test_memory_plan_takes_only_what_is_still_free_before_the_pool() -> None:
+    # Two workers started together with the default share both read 139 GiB
+    # free at start; by the time the second allocates its pool the first
+    # holds 0.9 of the GPU, and 14 GiB are left.
+    plan = _plan(weights=2, free_before_pool=14)
+    kept = int(14 * GIB) - int(1.25 * GIB) - GIB  # activations, graphs, reserve
+    assert plan.kv_bytes == kept < _plan(weights=2).kv_bytes
+    assert "capped: 14.00 GiB free before the pool" in plan.describe()
+    # When enough is still free the share decides, and the log says nothing more.
+    roomy = _plan(utilization=0.45, free_before_pool=120)
+    assert roomy.kv_bytes == _plan(utilization=0.45).kv_bytes
+    assert "capped" not in roomy.describe()
+
+
 def test_pool_and_budget_defaults_off_cuda(tmp_path) -> None:
     mc = ModelConfig.load("llama-3.2-1b")
     cfg = EngineConfig(model="llama-3.2-1b", device="cpu").resolve(mc)

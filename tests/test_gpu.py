@@ -36,6 +36,10 @@ PROMPTS = [
 MAX_TOKENS = 24
 START_TIMEOUT_S = 180.0
 
+KV_GB = 0.25
+"""The offline engines here live beside worker processes on the same GPU: a
+small fixed pool, not 0.9 of the device."""
+
 
 def _devices() -> tuple[str, str]:
     """Prefill and decode devices: two GPUs when there are two."""
@@ -49,7 +53,7 @@ def test_engine_matches_hf_on_cuda(model_dir: str) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf = hf.to("cuda:0").eval()
-    llm = LLM(model_dir, device="cuda:0", dtype="float32", page_size=16)
+    llm = LLM(model_dir, device="cuda:0", dtype="float32", page_size=16, kv_cache_memory_gb=KV_GB)
     ids = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outs = llm.generate(ids, params)
@@ -265,6 +269,7 @@ def test_overlap_with_cuda_graphs_matches_sync(tmp_path: Path) -> None:
             page_size=16,
             max_num_batched_tokens=256,
             cuda_graph_max_bs=12,
+            kv_cache_memory_gb=KV_GB,
             overlap=overlap,
         )
         assert llm.engine.runner.graphs is not None
@@ -321,7 +326,7 @@ def _worker_stats(url: str) -> list[dict]:
 def test_pd_across_gpus_matches_offline(gateway: str, model_dir: str) -> None:
     start = _worker_stats(gateway)
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
-    llm = LLM(model_dir, device=_devices()[1], page_size=16)
+    llm = LLM(model_dir, device=_devices()[1], page_size=16, kv_cache_memory_gb=KV_GB)
     tok = llm.tokenizer
     ids = [tok.encode(p) for p in PROMPTS]
     wants = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
@@ -350,7 +355,7 @@ def test_pd_with_flashinfer_matches_offline(tmp_path: Path) -> None:
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
     hf.save_pretrained(model_dir)  # weights (and its own config.json) beside the tokenizer
-    llm = LLM(str(model_dir), device=_devices()[1], page_size=16)
+    llm = LLM(str(model_dir), device=_devices()[1], page_size=16, kv_cache_memory_gb=KV_GB)
     assert llm.engine.config.attention_backend == "flashinfer"
     assert llm.engine.runner.graphs is not None
     gen = torch.Generator().manual_seed(2)

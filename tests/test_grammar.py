@@ -54,7 +54,7 @@ def json_schema(schema: object) -> GrammarSpec:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: str) -> LLM:
-    return LLM(model_dir, page_size=4, overlap=True)
+    return LLM(model_dir, page_size=4, overlap=True, kv_cache_memory_gb=0.25)
 
 
 def assert_pool_back(llm: LLM) -> None:
@@ -423,7 +423,14 @@ def test_batched_step_on_cuda_matches_serial_reference(
     the overlap loop): valid outputs, and the tokens of the per-row reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    llm = LLM(model_dir, device="cuda:0", dtype="float32", page_size=16, overlap=True)
+    llm = LLM(
+        model_dir,
+        device="cuda:0",
+        dtype="float32",
+        page_size=16,
+        overlap=True,
+        kv_cache_memory_gb=0.25,
+    )
     spec = json_schema(SCHEMA)
     params = [
         SamplingParams(max_tokens=80, temperature=1.0, seed=s, grammar=spec if s % 4 else None)

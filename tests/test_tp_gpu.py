@@ -134,7 +134,7 @@ def test_pd_across_tp_sizes_over_nixl(
         specs.append((cmd, port, tmp_path / f"{name}.log", env))
     prompts = [[(11 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((7, 40, 100))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = LLM(model_dir, device="cuda:0", dtype="float32", page_size=PAGE)
+    llm = LLM(model_dir, device="cuda:0", dtype="float32", page_size=PAGE, kv_cache_memory_gb=0.25)
     want = [o.token_ids for o in llm.generate(prompts, params)]
     failed = request.session.testsfailed
     with launch_workers(specs) as (p, d):
