@@ -37,8 +37,8 @@ MAX_TOKENS = 24
 START_TIMEOUT_S = 180.0
 
 KV_GB = 0.25
-"""The offline engines here live beside worker processes on the same GPU: a
-small fixed pool, not 0.9 of the device."""
+"""The offline engines and workers here share the GPU (two gateways' workers
+are up at once): each takes a small fixed pool, not its share of the device."""
 
 
 def _devices() -> tuple[str, str]:
@@ -286,6 +286,8 @@ def _pd_gateway(model_dir: str, log_path: Path) -> Iterator[str]:
     backend = "nixl" if nixl_available()[0] else "tcp"
     args = ["--prefill-device", prefill_dev, "--decode-device", decode_dev]
     args += ["--transfer-backend", backend, "--model", model_dir]
+    # A fixed pool: the module's two gateways are up at the same time.
+    args += ["--kv-cache-memory-gb", str(KV_GB)]
     try:
         with launch_gateway(args, log_path, START_TIMEOUT_S, {CLUSTER_TOKEN_ENV: TOKEN}) as (
             url,
