@@ -317,12 +317,8 @@ class WorkerClient:
         (default ``connect_timeout_s``). Sends nothing."""
         if self._sock is None:
             await self.start()
-        if self._closed:
-            raise WorkerClientClosed("client is closed")
-        if self._connected.is_set():
+        if self._up():
             return
-        if self._handshake_error is not None:
-            raise WorkerHandshakeFailed(self.endpoint, self._handshake_error)
         timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
         self._handshake_failed = failed = asyncio.Event()
         waits = [
@@ -333,13 +329,21 @@ class WorkerClient:
             await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             await cancel_and_wait(*waits)
+        if self._up():
+            return
+        raise WorkerUnreachable(f"no connection to {self.endpoint} within {timeout_s:g}s")
+
+    def _up(self) -> bool:
+        """Whether the connection is up (for ``ready``). Raises
+        ``WorkerClientClosed`` once the client is closed and
+        ``WorkerHandshakeFailed`` when a handshake failed while none is up."""
         if self._closed:
             raise WorkerClientClosed("client is closed")
         if self._connected.is_set():
-            return
+            return True
         if self._handshake_error is not None:
             raise WorkerHandshakeFailed(self.endpoint, self._handshake_error)
-        raise WorkerUnreachable(f"no connection to {self.endpoint} within {timeout_s:g}s")
+        return False
 
     # -- requests --------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +34,13 @@ import httpx
 import openai
 import pytest
 from test_gateway_dispatch import FakeWorker, router_with
+from test_gateway_start_order import wait_answering
 from workers import (
     REPO,
     Worker,
     dump_log,
     free_port,
     launch_workers,
-    log_tail,
     stop,
     worker_cmd,
 )
@@ -74,7 +74,6 @@ ENGINE: dict[str, Any] = dict(
     page_size=PAGE_SIZE, context_length=CONTEXT, transfer_backend="tcp", transfer_timeout_s=10
 )
 HEALTH_INTERVAL_S = 0.2
-START_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 20.0
 LOGS: list[Path] = []
 """Logs of this module's live processes, printed when a test fails."""
@@ -131,14 +130,7 @@ def gateway(
     LOGS.append(log_path)
     gw = Gateway(f"http://127.0.0.1:{port}", proc, log_path)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"gateway exited:\n{log_tail(log_path)}"
-            assert time.monotonic() < deadline, f"gateway never answered:\n{log_tail(log_path)}"
-            with contextlib.suppress(httpx.HTTPError):
-                if gw.health()[0] == 200 or not ready:
-                    break
-            time.sleep(0.1)
+        wait_answering(proc, f"{gw.url}/health", log_path, ready=ready, timeout=10)
         yield gw
     finally:
         stop(proc)
@@ -149,6 +141,17 @@ def _spec(log_dir: Path, name: str, module: str, role: str, model: str, **settin
     port = free_port()
     cmd = worker_cmd(module, model, port, role=role, **{**ENGINE, **settings})
     return cmd, port, log_dir / f"{name}.log", WORKER_ENV
+
+
+@contextlib.contextmanager
+def logged_worker(spec: Any, new_session: bool = False) -> Iterator[Worker]:
+    """The worker of ``spec`` (``launch_workers``), its log in ``LOGS`` while it runs."""
+    with launch_workers([spec], new_session=new_session) as (w,):
+        LOGS.append(w.log_path)
+        try:
+            yield w
+        finally:
+            LOGS.remove(w.log_path)
 
 
 @dataclass
@@ -312,32 +315,52 @@ def test_worker_without_tokenizer_is_refused_with_the_fix(
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(Path(model_dir) / name, bare / name)
     spec = _spec(tmp_path, "no-tokenizer", "decode_server", "both", str(bare), num_pages=64)
-    with launch_workers([spec]) as (w,):
-        LOGS.append(w.log_path)
-        try:
-            with gateway(tmp_path / "gateway.log", ["--decode", w.url], TOKEN, ready=False) as gw:
-                status, _ = gw.health()
-                assert status == 503
-                view = gw.worker_view(w.url)
-                assert view["healthy"] is False and "tokenizer.json" in view["last_error"]
-                resp = httpx.post(
-                    f"{gw.url}/v1/chat/completions",
-                    json={"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
-                    timeout=30,
-                )
-                assert resp.status_code == 503, resp.text
-                error = resp.json()["error"]
-                assert error["type"] == "server_error" and "tokenizer.json" in error["message"]
-                time.sleep(1.5)
-                assert gw.proc.poll() is None
-                (line,) = gw.log_lines(f"worker {w.url} is not usable")
-                assert "serves no tokenizer files" in line and "--load-format dummy" in line
-                assert "Traceback" not in gw.log_path.read_text()
-        finally:
-            LOGS.remove(w.log_path)
+    with (
+        logged_worker(spec) as w,
+        gateway(tmp_path / "gateway.log", ["--decode", w.url], TOKEN, ready=False) as gw,
+    ):
+        status, _ = gw.health()
+        assert status == 503
+        view = gw.worker_view(w.url)
+        assert view["healthy"] is False and "tokenizer.json" in view["last_error"]
+        resp = httpx.post(
+            f"{gw.url}/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
+            timeout=30,
+        )
+        assert resp.status_code == 503, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "server_error" and "tokenizer.json" in error["message"]
+        time.sleep(1.5)
+        assert gw.proc.poll() is None
+        (line,) = gw.log_lines(f"worker {w.url} is not usable")
+        assert "serves no tokenizer files" in line and "--load-format dummy" in line
+        assert "Traceback" not in gw.log_path.read_text()
 
 
 # -- a crashed decode worker ---------------------------------------------------------
+
+
+def stream_until_error(gw: Gateway, on_chunk3: Callable[[], object]) -> str:
+    """A long streamed completion through ``gw`` that calls ``on_chunk3`` when
+    its third chunk comes and must then end in an API error: that error's
+    message."""
+    client = gw.client()
+    model = client.models.list().data[0].id
+    stream = client.completions.create(
+        model=model,
+        prompt="Hello there",
+        max_tokens=900,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = 0
+    with pytest.raises(openai.APIError) as e:
+        for _ in stream:
+            chunks += 1
+            if chunks == 3:
+                on_chunk3()
+    return str(e.value.message)
 
 
 def test_killed_decode_worker_is_a_failed_worker(
@@ -347,37 +370,20 @@ def test_killed_decode_worker_is_a_failed_worker(
     that the decode worker failed, naming it, not that it is shutting down."""
     p = cluster.prefill
     spec = _spec(tmp_path, "decode-killed", "decode_server", "decode", model_dir, num_pages=256)
-    with launch_workers([spec], new_session=True) as (d,):
-        LOGS.append(d.log_path)
+    with logged_worker(spec, new_session=True) as d:
         try:
             start = free_pages([p])
             args = ["--prefill", p.url, "--decode", d.url]
             with gateway(tmp_path / "gateway.log", args, TOKEN) as gw:
-                client = gw.client()
-                model = client.models.list().data[0].id
-                stream = client.completions.create(
-                    model=model,
-                    prompt="Hello there",
-                    max_tokens=900,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                chunks = 0
-                with pytest.raises(openai.APIError) as e:
-                    for _ in stream:
-                        chunks += 1
-                        if chunks == 3:
-                            # The worker's own process, as a crash takes it:
-                            # its engine process is left to notice.
-                            os.kill(d.proc.pid, signal.SIGKILL)
-                message = str(e.value.message)
+                # The worker's own process, as a crash takes it: its engine
+                # process is left to notice.
+                message = stream_until_error(gw, lambda: os.kill(d.proc.pid, signal.SIGKILL))
                 assert f"decode worker {d.url} failed" in message, message
                 assert "shutting down" not in message
             assert_pools_back([p], start)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(d.proc.pid, signal.SIGKILL)
-            LOGS.remove(d.log_path)
 
 
 def test_draining_decode_worker_is_shutting_down(
@@ -391,32 +397,13 @@ def test_draining_decode_worker_is_shutting_down(
         tmp_path, "decode-drained", "decode_server", "decode", model_dir,
         num_pages=256, shutdown_timeout_s=1.0,
     )  # fmt: skip
-    with launch_workers([spec]) as (d,):
-        LOGS.append(d.log_path)
-        try:
-            start = free_pages([p])
-            args = ["--prefill", p.url, "--decode", d.url]
-            with gateway(tmp_path / "gateway.log", args, TOKEN) as gw:
-                client = gw.client()
-                model = client.models.list().data[0].id
-                stream = client.completions.create(
-                    model=model,
-                    prompt="Hello there",
-                    max_tokens=900,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                chunks = 0
-                with pytest.raises(openai.APIError) as e:
-                    for _ in stream:
-                        chunks += 1
-                        if chunks == 3:
-                            d.proc.send_signal(signal.SIGTERM)
-                message = str(e.value.message)
-                assert f"decode worker {d.url} is shutting down" in message, message
-            assert_pools_back([p], start)
-        finally:
-            LOGS.remove(d.log_path)
+    with logged_worker(spec) as d:
+        start = free_pages([p])
+        args = ["--prefill", p.url, "--decode", d.url]
+        with gateway(tmp_path / "gateway.log", args, TOKEN) as gw:
+            message = stream_until_error(gw, lambda: d.proc.send_signal(signal.SIGTERM))
+            assert f"decode worker {d.url} is shutting down" in message, message
+        assert_pools_back([p], start)
 
 
 class StoppingWorker(FakeWorker):

@@ -50,6 +50,29 @@ START_TIMEOUT_S = 60.0
 # -- processes: the gateway first, its workers later -------------------------------
 
 
+def wait_answering(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    log_path: Path,
+    *,
+    ready: bool = False,
+    timeout: float = 5.0,
+) -> httpx.Response:
+    """Poll ``url`` (each GET given ``timeout`` seconds) until the gateway
+    ``proc`` answers at all (``ready``: answers 200), and return that answer;
+    fail the test, with the tail of ``log_path``, if it exits first or
+    ``START_TIMEOUT_S`` passes."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, f"the gateway exited:\n{log_tail(log_path)}"
+        assert time.monotonic() < deadline, f"the gateway never answered:\n{log_tail(log_path)}"
+        with contextlib.suppress(httpx.HTTPError):
+            resp = httpx.get(url, timeout=timeout)
+            if resp.status_code == 200 or not ready:
+                return resp
+        time.sleep(0.1)
+
+
 def _idle(stats: dict[str, Any]) -> bool:
     return not (stats["running"] or stats["waiting"] or stats.get("in_flight"))
 
@@ -72,14 +95,7 @@ def test_gateway_started_before_its_workers(
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     try:
         # Up and answering while no worker is: /health lists both as down.
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"the gateway exited:\n{log_tail(gw_log)}"
-            assert time.monotonic() < deadline, f"the gateway never answered:\n{log_tail(gw_log)}"
-            with contextlib.suppress(httpx.HTTPError):
-                health = httpx.get(f"{gw_url}/health", timeout=5)
-                break
-            time.sleep(0.1)
+        health = wait_answering(proc, f"{gw_url}/health", gw_log)
         assert health.status_code == 503
         listed = {w["url"]: w for w in health.json()["workers"]}
         assert set(listed) == set(urls.values())
