@@ -68,12 +68,12 @@ class Engine:
         if rid in self._rids:
             raise EngineRequestError(f"request id {rid!r} is already in use")
         if not prompt_ids:
-            raise EngineRequestError("prompt is empty: at least one token is required")
+            raise EngineRequestError("prompt is empty: at least one token is required", "prompt")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise EngineRequestError(
-                f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})"
+                f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
             )
         n = len(prompt_ids)
         limit = self.max_model_len
@@ -85,7 +85,8 @@ class Engine:
                 f"(context length {self.context_length})"
             )
             raise EngineRequestError(
-                f"prompt has {n} tokens; {what} and at least one token must be generated"
+                f"prompt has {n} tokens; {what} and at least one token must be generated",
+                "prompt",
             )
         # Like the context length, the pool caps the output: the request ends
         # with finish_reason "length" where the pool would run out.
@@ -95,11 +96,9 @@ class Engine:
         seed = params.seed % (1 << 31) if params.seed is not None else self._rng.randrange(1 << 31)
         bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad is not None:
-            err = EngineRequestError(
-                f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})"
+            raise EngineRequestError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias"
             )
-            err.param = "logit_bias"
-            raise err
         req = Request(rid, list(prompt_ids), params, seed, max_total)
         if params.logit_bias or params.penalized:
             self._adjusted_rids.add(rid)

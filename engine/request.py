@@ -16,7 +16,14 @@ class EngineRequestError(ValueError):
     """A request the engine refuses (bad prompt, does not fit, duplicate id)."""
 
     param: str | None = None
-    """The request field at fault, when the error is about one."""
+    """The request field at fault, when the error is about one: "prompt" for
+    a prompt that can never run (empty, too long, ids outside the
+    vocabulary), a sampling parameter's name, or None (the request id)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        if param is not None:  # else the class's own (a subclass names its field)
+            self.param = param
 
 
 @dataclass(eq=False)

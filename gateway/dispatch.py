@@ -42,23 +42,6 @@ it stops: after a drain that ran out of time, but also when its front process
 died under it (killed). Which one it was, the gateway tells by whether the
 worker said it was draining (``WorkerInfo.stopping``)."""
 
-_PROMPT_FAULTS = ("prompt has ", "prompt is empty", "prompt token id ")
-"""How the engine's refusals of a prompt that can never run begin (too long
-for the model or its KV pool, empty, ids outside the vocabulary): refusals
-of the request itself, which name no parameter (``TokenDelta.error_param``)."""
-
-
-def request_fault(delta: TokenDelta) -> str | None:
-    """The request parameter at fault when a worker refused ``delta``'s
-    request for the request itself (it would fail on any worker): the
-    delta's ``error_param``, or "prompt" for the engine's refusals of a
-    prompt; None when the worker failed it."""
-    if delta.error_param is not None:
-        return delta.error_param
-    if delta.error is not None and delta.error.startswith(_PROMPT_FAULTS):
-        return "prompt"
-    return None
-
 
 class NoWorkerAvailable(RuntimeError):
     """No healthy worker can take the request (HTTP 503)."""
@@ -456,7 +439,7 @@ def _note(
         if delta.stages is not None and trace is not None:
             trace.report(worker.role, delta.stages)
         # A request refused for itself is no failure of the worker.
-        if delta.finish_reason == "error" and request_fault(delta) is None:
+        if delta.finish_reason == "error" and delta.error_param is None:
             failed.add(worker)
             return msgspec.structs.replace(delta, error=_failure_text(worker, delta.error))
     return delta

@@ -241,17 +241,24 @@ def test_max_model_len_is_what_the_pools_hold(cluster: Cluster) -> None:
 
 
 def test_engine_refusal_of_a_prompt_is_a_400(model_dir: str) -> None:
-    """A prompt the engine refuses for itself (an error naming no parameter)
-    can never succeed anywhere: a 400 naming the prompt, not a retryable 502."""
+    """A prompt the engine refuses for itself can never succeed anywhere: its
+    refusal names the prompt (``error_param``), and the gateway answers a 400
+    naming the request's field, not a retryable 502. The refusal is the
+    engine's own, carried as a worker carries it."""
+    from engine.llm import LLM
+    from engine.request import EngineRequestError
+    from worker.loop import error_delta
+
     tokenizer = Tokenizer.from_dir(model_dir)
-    message = (
-        "prompt has 300 tokens; this model serves at most 124 tokens of prompt plus "
-        "output (what the KV pool holds) and at least one token must be generated"
-    )
+    llm = LLM(model_dir, device="cpu", page_size=4, num_pages=32)
+    with pytest.raises(EngineRequestError) as refused:
+        llm.engine.build_request("r", [5] * 300, SamplingParams(max_tokens=2))
+    assert refused.value.param == "prompt"
+    delta = error_delta("r", str(refused.value), refused.value.param)
 
     class Refusing:
         async def stream(self, *_: Any, **__: Any) -> AsyncIterator[TokenDelta]:
-            yield TokenDelta("r", [], [], "error", 0, message)
+            yield delta
 
     async def go() -> APIError:
         spec = SamplingParams(max_tokens=2)
@@ -265,7 +272,8 @@ def test_engine_refusal_of_a_prompt_is_a_400(model_dir: str) -> None:
 
     err = asyncio.run(go())
     assert err.status == 400 and err.type == "invalid_request_error"
-    assert err.param == "messages" and err.message == message
+    assert err.param == "messages" and err.message == f"messages: {refused.value}"
+    assert "KV pool holds at most 124 tokens" in err.message
 
 
 # -- a worker the gateway cannot use says why ----------------------------------------

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple
 
-from gateway.dispatch import Dispatcher, NoWorkerAvailable, request_fault
+from gateway.dispatch import Dispatcher, NoWorkerAvailable
 from gateway.metrics import RequestTiming
 from gateway.openai.errors import APIError, request_timeout
 from gateway.stages import RequestTrace, current_trace
@@ -69,7 +69,7 @@ async def choice_stream(
     ``trace`` collects the choice's stages (the dispatcher finds it in
     ``current_trace``, set for the task that runs this stream).
     ``error_params``: the request field behind each parameter a worker can
-    refuse (its ``error_param``, or "prompt": ``request_fault``); such a
+    refuse (a delta's ``error_param``: "prompt", a sampling parameter); such a
     refusal is a 400 naming that field (it would fail on any worker: no
     retry can help). A worker's failure is a 502."""
     detok = IncrementalDetokenizer(tokenizer)
@@ -80,12 +80,11 @@ async def choice_stream(
         async for delta in stream:
             finish = delta.finish_reason
             if finish is not None and finish in ("error", "abort"):
-                fault = request_fault(delta) if finish == "error" else None
+                fault = delta.error_param if finish == "error" else None
                 if fault is not None:
                     param = (error_params or {}).get(fault, fault)
                     error = delta.error or "invalid"
-                    message = error if delta.error_param is None else f"{param}: {error}"
-                    raise APIError(400, message, param=param)
+                    raise APIError(400, f"{param}: {error}", param=param)
                 raise APIError(
                     502,
                     delta.error or f"request {finish}ed by a worker",
