@@ -38,9 +38,9 @@ PREFILL_DONE = "prefill_done"
 
 WORKER_STOPPED = "worker is shutting down"
 """The error a worker's engine process gives every request it still has when
-it stops: after a drain that ran out of time, but also when its front process
-died under it (killed). Which one it was, the gateway tells by whether the
-worker said it was draining (``WorkerInfo.stopping``)."""
+it stops: after a drain that ran out of time, or stopped with no drain (one
+whose front process died says that instead). Whether it drained, the gateway
+tells by whether the worker said so (``WorkerInfo.stopping``)."""
 
 
 class NoWorkerAvailable(RuntimeError):

@@ -387,6 +387,8 @@ def test_killed_decode_worker_is_a_failed_worker(
                 # process is left to notice.
                 message = stream_until_error(gw, lambda: os.kill(d.proc.pid, signal.SIGKILL))
                 assert f"decode worker {d.url} failed" in message, message
+                # The engine process, left without its front, says so itself.
+                assert "front process exited" in message, message
                 assert "shutting down" not in message
             assert_pools_back([p], start)
         finally:

@@ -298,6 +298,8 @@ class EngineServer:
                 next_housekeeping = now + HOUSEKEEPING_S
                 if parent is not None and not parent.is_alive():
                     log.error("front process is gone; stopping")
+                    # A crash, not a shutdown: say so before _shutdown ends the rest.
+                    self._fail_all("the worker's front process exited")
                     self.exit_code = 1
                     return
                 failure = self.loop.failure()
