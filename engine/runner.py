@@ -134,30 +134,7 @@ class ModelRunner:
         self.num_heads, self.num_kv_heads = local_heads(model_config, tp)
         self.pool_sizing: dict[str, object] = {"sized_by": config.pool_sized_by}
         """How the KV pool was sized (for /server_info and the start-up log)."""
-        num_pages, plan = config.num_pages, None
-        if num_pages is None:
-            assert start is not None, "EngineConfig must be resolved first"
-            plan = self._memory_plan(config, *start)
-            num_pages = plan.num_pages
-            if tp is not None:  # every rank holds the same pages
-                num_pages = tp.all_min(num_pages)
-            log.info("KV pool: %d pages; %s", num_pages, plan.describe())
-        try:
-            self.pool = KVPool(self._pool_config(num_pages, config))
-        except torch.OutOfMemoryError:
-            # Another engine on this GPU took memory between the reading and
-            # the allocation (they started together): size again from what
-            # is free now, once. Ranks of a group must agree, so they do not.
-            if plan is None or tp is not None:
-                raise
-            plan = replace(plan, free_before_pool=torch.cuda.mem_get_info(self.device)[0])
-            num_pages = plan.num_pages
-            log.warning(
-                "KV pool: memory was taken meanwhile: %d pages; %s", num_pages, plan.describe()
-            )
-            self.pool = KVPool(self._pool_config(num_pages, config))
-        if plan is not None:
-            self.pool_sizing.update(plan.as_dict())
+        num_pages = self._allocate_pool(config, start)
         config, warning = config.with_pool(num_pages)
         if warning:
             log.warning("%s", warning)
@@ -178,6 +155,37 @@ class ModelRunner:
                     config.cuda_graph_max_bs,
                     max_pages_per_request=-(-config.context_length // config.page_size),
                 )
+
+    def _allocate_pool(self, config: EngineConfig, start: tuple[int, int, int] | None) -> int:
+        """Allocate ``self.pool`` with ``config.num_pages`` pages, or where that
+        is unset as many as ``engine.memory``'s rule gives (``start``: the
+        device's free and total memory, and what this process had allocated,
+        before the weights); returns the page count."""
+        num_pages, plan = config.num_pages, None
+        if num_pages is None:
+            assert start is not None, "EngineConfig must be resolved first"
+            plan = self._memory_plan(config, *start)
+            num_pages = plan.num_pages
+            if self.tp is not None:  # every rank holds the same pages
+                num_pages = self.tp.all_min(num_pages)
+            log.info("KV pool: %d pages; %s", num_pages, plan.describe())
+        try:
+            self.pool = KVPool(self._pool_config(num_pages, config))
+        except torch.OutOfMemoryError:
+            # Another engine on this GPU took memory between the reading and
+            # the allocation (they started together): size again from what
+            # is free now, once. Ranks of a group must agree, so they do not.
+            if plan is None or self.tp is not None:
+                raise
+            plan = replace(plan, free_before_pool=torch.cuda.mem_get_info(self.device)[0])
+            num_pages = plan.num_pages
+            log.warning(
+                "KV pool: memory was taken meanwhile: %d pages; %s", num_pages, plan.describe()
+            )
+            self.pool = KVPool(self._pool_config(num_pages, config))
+        if plan is not None:
+            self.pool_sizing.update(plan.as_dict())
+        return num_pages
 
     def _pool_config(self, num_pages: int, config: EngineConfig) -> KVPoolConfig:
         return KVPoolConfig(
