@@ -243,10 +243,14 @@ def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
+        # The served model is the workers': until one is up, wait (bounded) as
+        # a generation request does, rather than list a model with no name.
+        await _ready(state)
         return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
+        await _ready(state)
         _check_model(state, model_id)
         return ModelCard(id=state.model_name, max_model_len=state.max_model_len)
 

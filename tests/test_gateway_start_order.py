@@ -107,6 +107,9 @@ def test_gateway_started_before_its_workers(
         )
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == "no_worker"
+        # No model is listed before a worker says which it serves.
+        models = httpx.get(f"{gw_url}/v1/models", timeout=30)
+        assert models.status_code == 503 and models.json()["error"]["code"] == "no_worker"
 
         # The workers come up on the addresses the gateway was given.
         specs = []

@@ -62,7 +62,8 @@ def test_split_deployment_runs_as_written(tmp_path: Path, request: pytest.Fixtur
         procs.append(start_worker(cmd, logs[-1], env))
         url = f"http://127.0.0.1:{gateway_port}"
         for proc, log, port in zip(procs, logs, [*ports.values(), None]):
-            health = f"http://127.0.0.1:{port}/health" if port else f"{url}/v1/models"
+            # The gateway's /health is 200 once its workers are admitted.
+            health = f"http://127.0.0.1:{port or gateway_port}/health"
             wait_http_ok(proc, health, log, START_TIMEOUT_S, log.stem)
         with httpx.Client(base_url=url, timeout=60) as http:
             before = [_free_pages(p) for p in ports.values()]
