@@ -155,7 +155,7 @@ def _validation_error(err: dict[str, Any]) -> APIError:
         return APIError(
             400,
             f"unrecognized request argument: {param} (this server does not support it; "
-            "see the README's table of request fields)",
+            "see docs/api.md, request fields)",
             param=param,
         )
     message = f"{'.'.join(str(x) for x in loc) or 'body'}: {err.get('msg', 'invalid')}"

@@ -6,7 +6,7 @@ GPU over NVLink) and copies byte ranges into it with one kernel launch: one
 program per 64 KiB chunk of a range, however scattered the pages are. Through
 UCX a write costs ~7 us per descriptor on top of its bytes: on one H200, 256
 scattered 2 MiB pages took 2.1 ms where one 512 MiB range took 0.32 ms; the
-kernel moved the scattered pages in 0.70 ms (README, KV transfer).
+kernel moved the scattered pages in 0.70 ms (docs/benchmarks.md, bench_kvtransfer.py).
 
 Used by the nixl backend for peers that can be opened this way; a peer that
 cannot (another host, no peer access, a pool that cannot be exported) keeps

@@ -18,7 +18,7 @@ field no number or string. A float field still takes an integer."""
 class _Request(BaseModel):
     # Unknown fields are refused (a 400 naming the field), as the OpenAI API
     # does: a parameter that was silently ignored would give a client wrong
-    # results without an error. README's table lists every field.
+    # results without an error. docs/api.md (Request fields) lists every field.
     model_config = ConfigDict(extra="forbid", **_STRICT)
 
     model: str
