@@ -21,7 +21,7 @@ once everything else it needs is counted::
   when another process leaves less than the share free.
 
 ``MemoryPlan`` is the rule alone (numbers in, pages out), so it is tested
-without a device; ``profile_activations`` takes the measurements.
+without a device; ``engine.runner.ModelRunner`` takes the measurements.
 """
 
 from __future__ import annotations
@@ -59,16 +59,28 @@ class MemoryPlan:
     have taken its share since."""
 
     @property
+    def share(self) -> int:
+        """``utilization`` of the total."""
+        return int(self.utilization * self.total)
+
+    @property
     def budget(self) -> int:
         """What this engine may use in all."""
-        return min(int(self.utilization * self.total), self.free_at_start - self.reserve)
+        return min(self.share, self.free_at_start - self.reserve)
+
+    @property
+    def budget_left(self) -> int:
+        """What the budget leaves the pool."""
+        return self.budget - self.weights - self.activations - self.graphs
+
+    @property
+    def capped(self) -> bool:
+        """Less was free before the pool than the budget leaves it."""
+        return self.free_before_pool is not None and self.free_left < self.budget_left
 
     @property
     def kv_bytes(self) -> int:
-        share = self.budget - self.weights - self.activations - self.graphs
-        if self.free_before_pool is None:
-            return share
-        return min(share, self.free_left)
+        return self.free_left if self.capped else self.budget_left
 
     @property
     def free_left(self) -> int:
@@ -95,10 +107,9 @@ class MemoryPlan:
     def describe(self) -> str:
         """One line for the start-up log and errors."""
         g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
-        clamp = self.budget < int(self.utilization * self.total)
         share = (
             f"{g(self.free_at_start)} GiB free at start less {g(self.reserve)} reserved"
-            if clamp
+            if self.budget < self.share
             else f"{self.utilization:g} of {g(self.total)} GiB"
         )
         line = (
@@ -106,9 +117,7 @@ class MemoryPlan:
             f"- activations {g(self.activations)} - CUDA graphs {g(self.graphs)} "
             f"= KV pool {g(max(0, self.kv_bytes))} GiB"
         )
-        if self.free_before_pool is not None and self.free_left < self.budget - (
-            self.weights + self.activations + self.graphs
-        ):
+        if self.capped:
             line += f" (capped: {g(self.free_before_pool)} GiB free before the pool)"
         return line
 

@@ -135,7 +135,9 @@ class EmbeddedWorkers:
             "embedded workers: prefill on %s, decode on %s%s",
             prefill,
             decode,
-            f" (each takes {share:g} of its memory)" if prefill == decode != "cpu" else "",
+            f" (each takes {share:g} of its memory)"
+            if share != self.config.worker.engine.gpu_memory_utilization
+            else "",
         )
         specs = (
             ("prefill_server", "prefill", ports[0], prefill),

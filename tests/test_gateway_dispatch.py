@@ -63,13 +63,19 @@ class FakeWorker:
                 self.aborts.append(msg.rid)
                 continue
             self.requests.append(msg.rid)
-            for i in range(self.tokens):
+            for i, delta in enumerate(self.replies(msg.rid)):
                 if self.die_after is not None and i == self.die_after:
                     self.close()
                     return
-                last = i == self.tokens - 1
-                delta = TokenDelta(msg.rid, [10 + i], [-0.5], "length" if last else None)
                 await self.sock.send_multipart([ident, to_gateway.encoder.encode(Tokens([delta]))])
+
+    def replies(self, rid: str) -> list[TokenDelta]:
+        """The deltas that answer request ``rid``, one frame each."""
+        last = self.tokens - 1
+        return [
+            TokenDelta(rid, [10 + i], [-0.5], "length" if i == last else None)
+            for i in range(self.tokens)
+        ]
 
 
 def router_with(*endpoints: str) -> tuple[Router, list[WorkerInfo]]:
@@ -120,15 +126,8 @@ def test_dead_worker_is_skipped_before_dispatch() -> None:
 class DrainingWorker(FakeWorker):
     """Refuses every request as a draining worker does (retryable)."""
 
-    async def _serve(self) -> None:
-        while True:
-            ident, frame = await self.sock.recv_multipart()
-            msg = to_worker.decoder.decode(frame)
-            if isinstance(msg, (Heartbeat, Abort)):
-                continue
-            self.requests.append(msg.rid)
-            refused = TokenDelta(msg.rid, [], [], "error", error="draining", retry=True)
-            await self.sock.send_multipart([ident, to_gateway.encoder.encode(Tokens([refused]))])
+    def replies(self, rid: str) -> list[TokenDelta]:
+        return [TokenDelta(rid, [], [], "error", error="draining", retry=True)]
 
 
 def test_draining_worker_refusal_goes_to_another_worker() -> None:

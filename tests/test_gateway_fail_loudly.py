@@ -57,11 +57,9 @@ from gateway.text.tool_parsers import (
     ToolCall,
     ToolCallParser,
 )
-from protocol import to_gateway, to_worker
 from protocol.client import WorkerDisconnected
 from protocol.sampling import SamplingParams
-from protocol.to_gateway import TokenDelta, Tokens
-from protocol.to_worker import Abort, Heartbeat
+from protocol.to_gateway import TokenDelta
 from worker.config import CLUSTER_TOKEN_ENV
 
 TOKEN = "fail-loudly-cluster-secret"
@@ -419,19 +417,8 @@ def test_draining_decode_worker_is_shutting_down(
 class StoppingWorker(FakeWorker):
     """Answers one token, then the error an engine process sends when it stops."""
 
-    async def _serve(self) -> None:
-        while True:
-            ident, frame = await self.sock.recv_multipart()
-            msg = to_worker.decoder.decode(frame)
-            if isinstance(msg, (Heartbeat, Abort)):
-                continue
-            self.requests.append(msg.rid)
-            deltas = [
-                TokenDelta(msg.rid, [10], [-0.5]),
-                TokenDelta(msg.rid, [], [], "error", 0, WORKER_STOPPED),
-            ]
-            for delta in deltas:
-                await self.sock.send_multipart([ident, to_gateway.encoder.encode(Tokens([delta]))])
+    def replies(self, rid: str) -> list[TokenDelta]:
+        return [TokenDelta(rid, [10], [-0.5]), TokenDelta(rid, [], [], "error", 0, WORKER_STOPPED)]
 
 
 def test_stopped_worker_errors_name_the_worker() -> None:
