@@ -1,10 +1,10 @@
 """Engine configuration: the runtime knobs of one engine.
 
 ``EngineConfig`` is frozen and torch-free, so the worker's front process and
-its command line use it without loading torch. Each field is a ``setting``:
-its default and its help text live here, once, and the worker's command line
-(``worker.cli``) is generated from them (``--page-size`` for ``page_size``,
-the type from the annotation). Values that start as "auto" or ``None`` are
+its command line use it without loading torch. Each field is a ``setting``
+(``protocol.settings``): its default and its help text live here, once, and
+the worker's command line (``worker.cli``) is generated from them
+(``--page-size`` for ``page_size``, the type from the annotation). Values that start as "auto" or ``None`` are
 resolved by building a new config (``resolve_model_and_device``, ``resolve``).
 
 The model's own configuration (``ModelConfig``, read from ``config.json``)
@@ -13,11 +13,11 @@ lives in ``engine.model_config``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.attention import ATTENTION_BACKENDS
+from protocol.settings import setting
 
 if TYPE_CHECKING:
     import torch
@@ -36,36 +36,6 @@ CPU_KV_CACHE_GB = 0.25
 
 MODEL_GROUP = "model"
 KV_GROUP = "KV cache and scheduling"
-
-
-def setting(
-    default: Any = MISSING,
-    *,
-    help: str,
-    group: str | None = None,
-    flag: bool = True,
-    choices: Sequence[str] | None = None,
-    metavar: str | None = None,
-    env: str | None = None,
-    default_factory: Any = MISSING,
-) -> Any:
-    """A config field that is also a command-line flag.
-
-    ``help`` documents the field and is the flag's help (argparse's
-    ``%(default)s`` allowed; every flag's help names its default). ``group``
-    is the title of the flag's argument group (None: the parser's own).
-    ``flag=False``: no flag (``help`` says why). ``env``: the environment
-    variable that supplies the command line's default instead of ``default``.
-    """
-    metadata = {
-        "help": help,
-        "group": group,
-        "flag": flag,
-        "choices": tuple(choices) if choices is not None else None,
-        "metavar": metavar,
-        "env": env,
-    }
-    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class EmbeddedConfig:
 
 def add_embedded_flags(container: argparse._ActionsContainer) -> None:
     """The ``EMBEDDED_SETTINGS`` flags, as the workers define them."""
-    from worker.cli import add_flag
+    from protocol.settings import add_flag
 
     for flag in flags():
         if flag.name in EMBEDDED_SETTINGS:

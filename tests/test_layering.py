@@ -43,6 +43,7 @@ TORCH_FREE = [
     "protocol.tracing",
     "protocol.host",
     "protocol.aio",
+    "protocol.settings",
     "gateway.__main__",
     "gateway.app",
     "worker.cli",

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
-from typing import Any
 
-from worker.config import CLUSTER_TOKEN_ENV as CLUSTER_TOKEN_ENV
+from protocol import settings
+from protocol.settings import CLUSTER_TOKEN_ENV as CLUSTER_TOKEN_ENV
 from worker.config import REGISTER_KEY_ENV as REGISTER_KEY_ENV
-from worker.config import Flag, WorkerConfig, flags
+from worker.config import WorkerConfig, flags
 from worker.roles import Role
 
 
@@ -27,39 +26,16 @@ def build_parser(prog: str, roles: Sequence[Role], default_port: int) -> argpars
         ),
         epilog="Roles: " + "; ".join(f"{r.name}: {r.help}" for r in roles),
     )
-    groups: dict[str | None, argparse._ActionsContainer] = {None: ap}
-    for flag in flags():
-        title = flag.meta("group")
-        if title not in groups:
-            groups[title] = ap.add_argument_group(title)
-        overrides: dict[str, Any] = {}
-        if flag.name == "role":
-            overrides = {"choices": [r.name for r in roles], "default": roles[0].name}
-        elif flag.name == "port":
-            overrides = {"default": default_port}
-        add_flag(groups[title], flag, **overrides)
+    overrides = {
+        "role": {"choices": [r.name for r in roles], "default": roles[0].name},
+        "port": {"default": default_port},
+    }
+    settings.add_flags(ap, flags(), overrides=overrides)
     return ap
 
 
-def add_flag(container: argparse._ActionsContainer, flag: Flag, **overrides: Any) -> None:
-    """Add ``flag`` (name, type, default, choices, help) to a parser or group;
-    ``overrides`` replace ``add_argument`` keywords. The gateway adds the
-    engine flags of its embedded workers through here too."""
-    kwargs: dict[str, Any] = {"help": flag.meta("help"), "default": flag.default}
-    if flag.meta("env"):
-        # A secret in the environment stays off the command line, which others can read.
-        kwargs["default"] = os.environ.get(flag.meta("env"), flag.default)
-    if flag.kind is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    else:
-        kwargs["type"] = flag.parse
-        kwargs["choices"] = flag.meta("choices")
-        kwargs["metavar"] = flag.meta("metavar")
-    container.add_argument(flag.option, **{**kwargs, **overrides})
-
-
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig.from_settings(**{flag.name: getattr(ns, flag.name) for flag in flags()})
+    return WorkerConfig.from_settings(**settings.values(ns, flags()))
 
 
 def main(

@@ -2,7 +2,7 @@
 
 ``WorkerConfig`` is frozen and holds its engine's settings as an
 ``EngineConfig`` (``engine``) next to its own. Both are made of
-``engine.config.setting`` fields, and every setting is one flat flag
+``protocol.settings.setting`` fields, and every setting is one flat flag
 (``--page-size`` for ``engine.page_size``): the command line (``worker.cli``)
 and ``WorkerConfig.to_argv`` are generated from the fields (``flags``).
 
@@ -14,24 +14,21 @@ never needs torch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import os
 import socket
-import typing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.checkpoints import served_name
-from engine.config import MODEL_GROUP, EngineConfig, setting
+from engine.config import MODEL_GROUP, EngineConfig
 from kvtransfer import AUTO_BACKEND, TRANSFER_CHOICES, auto_backend
+from protocol import settings
 from protocol.host import auto_busy_poll_s
 from protocol.host import usable_cores as _usable_cores
 from protocol.roles import BOTH, ROLES
+from protocol.settings import CLUSTER_TOKEN_ENV, LOG_LEVELS, Flag, setting
 
-CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
 REGISTER_KEY_ENV = "DISAGG_REGISTER_KEY"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 NETWORK_GROUP = "role and network"
 TRANSFER_GROUP = "KV transfer and timeouts"
 PROGRAM_SETTINGS = ("role", "port")
@@ -188,13 +185,10 @@ class WorkerConfig:
             raise ValueError("busy_poll_s must be >= 0 (0 disables it, or auto)")
 
     @classmethod
-    def from_settings(cls, **settings: Any) -> WorkerConfig:
+    def from_settings(cls, **values: Any) -> WorkerConfig:
         """A config from one keyword per setting, named as on the command line
         (``page_size=4``, not ``engine=...``): the engine's go to ``engine``."""
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        engine = {k: v for k, v in settings.items() if k in names}
-        own = {k: v for k, v in settings.items() if k not in names}
-        return cls(**own, engine=EngineConfig(**engine))
+        return settings.build(cls, values)
 
     # -- derived values --------------------------------------------------------
 
@@ -284,103 +278,13 @@ class WorkerConfig:
         ``python -m <server>``): the settings that differ from their defaults,
         plus ``PROGRAM_SETTINGS``. Parsing them gives back an equal config,
         where the environment variables of ``env`` settings are unset."""
-        argv: list[str] = []
-        for flag in flags():
-            value = flag.value_of(self)
-            if flag.name in PROGRAM_SETTINGS or value != flag.default:
-                argv += flag.argv(value)
-        return argv
+        return settings.to_argv(self, flags(), always=PROGRAM_SETTINGS)
 
 
-@dataclass(frozen=True)
-class Flag:
-    """The command-line flag of one setting: a field of ``WorkerConfig`` or of
-    its ``EngineConfig``."""
-
-    field: dataclasses.Field[Any]
-    kind: type
-    """``bool``, ``int``, ``float`` or ``str``: the field's type without None."""
-    optional: bool
-    """None is one of the setting's values."""
-    in_engine: bool
-
-    @property
-    def name(self) -> str:
-        return self.field.name
-
-    @property
-    def option(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def default(self) -> Any:
-        f = self.field
-        return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-    def meta(self, key: str) -> Any:
-        """``help``, ``group``, ``choices``, ``metavar`` or ``env`` (see ``setting``)."""
-        return self.field.metadata[key]
-
-    @property
-    def parse(self) -> Any:
-        """The argparse ``type`` of a non-bool flag."""
-        if not self.optional or self.kind is str:
-            return self.kind
-        return _optional_float if self.kind is float else _optional_int
-
-    def value_of(self, config: WorkerConfig) -> Any:
-        return getattr(config.engine if self.in_engine else config, self.name)
-
-    def argv(self, value: Any) -> list[str]:
-        """The arguments that set this flag to ``value``."""
-        if self.kind is bool:
-            return [self.option if value else "--no-" + self.option[2:]]
-        if value is None:
-            if self.parse not in (_optional_int, _optional_float):
-                raise ValueError(f"{self.name}=None has no command-line form")
-            return [self.option, "auto"]
-        text = str(value)
-        # "--x=-y": a value that starts with a dash would read as an option.
-        return [f"{self.option}={text}"] if text.startswith("-") else [self.option, text]
-
-
-@functools.cache
 def flags() -> tuple[Flag, ...]:
     """Every flag, in the order of the fields (the engine's in place of
     ``engine``); their names are the argparse destinations."""
-    out: list[Flag] = []
-    for w in dataclasses.fields(WorkerConfig):
-        owner = EngineConfig if w.name == "engine" else WorkerConfig
-        owned = dataclasses.fields(EngineConfig) if owner is EngineConfig else (w,)
-        out += [_flag(owner, f) for f in owned if f.metadata.get("flag", False)]
-    names = [fl.name for fl in out]
-    # Flags are flat: a worker setting and an engine setting may not share a name.
-    assert len(set(names)) == len(names), names
-    return tuple(out)
-
-
-def _flag(owner: type, f: dataclasses.Field[Any]) -> Flag:
-    hint = typing.get_type_hints(owner)[f.name]
-    return Flag(f, *_kind(hint, f.name), in_engine=owner is EngineConfig)
-
-
-def _kind(hint: Any, name: str) -> tuple[type, bool]:
-    """The flag's value type and whether None is a value, from the annotation."""
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    rest = [a for a in args if a is not type(None)]
-    kind = rest[0] if optional and len(rest) == 1 else hint
-    if kind not in (bool, int, float, str) or (optional and kind is bool):
-        raise TypeError(f"setting {name!r} has type {hint}, which has no command-line form")
-    return kind, optional
-
-
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() in ("auto", "none") else int(text)
-
-
-def _optional_float(text: str) -> float | None:
-    return None if text.lower() in ("auto", "none") else float(text)
+    return settings.flags(WorkerConfig)
 
 
 def _bracket(host: str) -> str:
