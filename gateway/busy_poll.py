@@ -2,7 +2,8 @@
 
 An asyncio loop with nothing to do sleeps in ``epoll_wait``; the next frame
 from a worker (a first token) or the next HTTP request then waits for the CPU
-to wake, which on a virtualized host costs 0.1-0.4 ms per wake-up, and twice
+to wake, which on a virtualized host costs a few tenths of a millisecond per
+wake-up (docs/perf/2026-12-01-ttft-path.md), and twice
 for each request (its arrival, its first token). While a few requests are in
 flight, and for ``linger_s`` after the last one ended, a task here hands
 control back to the loop at once, over and over, so the loop polls instead of

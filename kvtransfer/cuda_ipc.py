@@ -4,9 +4,10 @@ A decode worker's KV pool is exported as a CUDA IPC handle in its transfer
 metadata; a prefill worker on the same host opens it (the same GPU, or a peer
 GPU over NVLink) and copies byte ranges into it with one kernel launch: one
 program per 64 KiB chunk of a range, however scattered the pages are. Through
-UCX a write costs ~7 us per descriptor on top of its bytes: on one H200, 256
-scattered 2 MiB pages took 2.1 ms where one 512 MiB range took 0.32 ms; the
-kernel moved the scattered pages in 0.70 ms (docs/benchmarks.md, bench_kvtransfer.py).
+UCX a write costs a fixed time per descriptor on top of its bytes, so scattered
+pages move several times slower than one range of the same size; the kernel
+does not care how the pages are scattered (figures:
+docs/perf/2026-12-01-kv-transfer-paths.md).
 
 Used by the nixl backend for peers that can be opened this way; a peer that
 cannot (another host, no peer access, a pool that cannot be exported) keeps
@@ -40,8 +41,8 @@ ALIGN = 16
 MIN_RANGES = 32
 MAX_MEAN_BYTES = 8 << 20
 """The copy kernel pays where UCX's cost per descriptor dominates: at least
-this many ranges of at most this mean size (on an H200, 256 scattered 2 MiB
-pages: UCX 2.1 ms, the kernel 0.8; one 512 MiB range: UCX 0.32, the kernel 0.43)."""
+this many ranges of at most this mean size; a few large ranges go faster
+through UCX's copy engines (docs/perf/2026-12-01-kv-transfer-paths.md)."""
 CHUNK_WORDS = 8192
 """Words per program (64 KiB): large enough to stream, small enough that a
 few pages give every SM work."""

@@ -48,8 +48,8 @@ that thread with no pause, so it spins a core even when nothing is in flight
 (a whole core on a CPU host, a fifth to a quarter on the GPU machine). The
 thread must stay (over TCP or shared memory a write lands only while the
 receiver's side progresses, and the receiver does not poll), so it sleeps:
-idle it then costs ~2% of a core, and a transfer's completion is seen at most
-this much later."""
+idle it then costs little (docs/perf/2026-12-01-kv-transfer-paths.md), and a
+transfer's completion is seen at most this much later."""
 
 
 @contextlib.contextmanager

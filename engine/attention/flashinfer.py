@@ -26,9 +26,8 @@ TENSOR_CORE_MIN_GROUP = 4
 """Query heads per KV head from which decode runs on the tensor-core kernel.
 Its plans keep FlashInfer's own KV split at every batch size: reading each
 row's KV in one pass (``disable_split_kv``) from 32 rows up was faster alone
-(``benchmarks/bench_attention.py``: 2.48 -> 2.34 ms at 64 rows, 8.58 -> 8.32
-at 256) and in the batch-256 graph (17.33 -> 17.06 ms), but the serving loop
-at 64 streams fell from 4101 to 3262 output tok/s with it."""
+and in the batch-256 graph, but the serving loop at 64 streams gave a fifth
+less output with it (docs/perf/2026-12-01-decode-attention-split.md)."""
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 NUM_PLAN_SLOTS = 2
 """Plans alternate between this many wrapper sets. plan() writes the page table
@@ -139,8 +138,8 @@ class FlashInferAttention(AttentionBackend):
             WORKSPACE_BYTES, dtype=torch.uint8, device=pool.kv.device
         ).zero_()
         # Grouped-query heads share each K/V read: with 4+ query heads per KV head
-        # the tensor-core kernel is the faster decode (H200, Llama-3.1-8B shape:
-        # 2.29 against 3.28 ms for 32 layers at batch 64, 1k context).
+        # the tensor-core kernel is the faster decode
+        # (docs/perf/2026-12-01-decode-step-fused-kernels-overlap.md).
         tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
         self._slots = [
             _PlanSlot(flashinfer, self._workspace, tensor_cores) for _ in range(NUM_PLAN_SLOTS)

@@ -2,11 +2,11 @@
 
 A decode step of one request reads every weight once and does little else, so
 its time is the weights' bytes over the memory bandwidth. cuBLAS serves a
-one-row product with kernels tuned for wider ones: on an H200, Llama-3.1-8B's
-QKV, o, gate/up and down projections ran at 3.1, 2.5, 4.2 and 3.6 TB/s (o and
-down through split-K plus a reduction kernel). The Triton kernel here streams
-``BLOCK_N`` weight rows per program, accumulating in float32, and reached 3.5,
-3.4, 4.3 and 4.1 TB/s (0.35 ms of a 4.8 ms step). ``silu_mul_linear`` also
+one-row product with kernels tuned for wider ones, well under the memory's
+rate for the smaller products (o and down through split-K plus a reduction
+kernel). The Triton kernel here streams ``BLOCK_N`` weight rows per program,
+accumulating in float32, closer to the memory's rate (figures:
+docs/perf/2026-12-01-one-row-gemv.md). ``silu_mul_linear`` also
 takes the SiLU-and-mul of the MLP into the down projection's loads (one kernel
 less per layer).
 
