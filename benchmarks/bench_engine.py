@@ -1,6 +1,6 @@
 """Engine micro-benchmark: prefill throughput and decode step time.
 
-    python benchmarks/bench_engine.py --model llama-3.1-8b --device cuda:0 \
+    python -m benchmarks.bench_engine --model llama-3.1-8b --device cuda:0 \
         --batch-sizes 1 8 32 --input-len 512 --decode-steps 32
 
 ``--model`` is a checkpoint dir or a preset name (presets use dummy weights).
@@ -10,28 +10,21 @@ Prints a table and writes a JSON record to ``--output-file``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import git_commit, host_info  # noqa: E402
-from engine.config import (
-    EngineConfig,  # noqa: E402
-    resolve_device,  # noqa: E402
-)
-from engine.forward_batch import ExtendSpec, build_forward_batch  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.presets import PRESETS  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
-from engine.sampling import SamplingBatch  # noqa: E402
-from protocol.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import write_record
+from engine.config import EngineConfig, resolve_device
+from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.model_config import ModelConfig
+from engine.presets import PRESETS
+from engine.runner import ModelRunner
+from engine.sampling import SamplingBatch
+from harness.host import host_info
+from protocol.sampling import SamplingParams
 
 
 def machine_info(device: str) -> dict:
@@ -110,7 +103,9 @@ def bench_one(runner: ModelRunner, batch_size: int, args: argparse.Namespace) ->
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--model",
@@ -196,16 +191,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['batch_size']:>6} {r['input_len']:>6} {r['prefill_tokens_per_s']:>14.0f} "
             f"{r['decode_step_ms_median']:>15.2f} {r['decode_tokens_per_s']:>13.0f}"
         )
-    now = datetime.now(UTC)
-    record = {
-        "benchmark": "engine",
-        "date": now.isoformat(timespec="seconds"),
-        "command": " ".join(
-            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "git_commit": git_commit(),
-        "machine": machine_info(args.device),
-        "model": Path(model).name if Path(model).exists() else model,
+    name = Path(model).name if Path(model).exists() else model
+    body = {
+        "model": name,
         "dtype": str(mc.dtype).removeprefix("torch."),
         "device": args.device,
         "attention_backend": cfg.attention_backend,
@@ -213,13 +201,10 @@ def main(argv: list[str] | None = None) -> None:
         "page_size": cfg.page_size,
         "results": rows,
     }
-    out = args.output_file
-    if out is None:
-        name = record["model"].replace("/", "_")
-        out = Path(__file__).parent / "results" / f"engine-{name}-{now:%Y%m%d-%H%M%S}.json"
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    stem = f"engine-{name.replace('/', '_')}"
+    write_record(
+        "benchmarks.bench_engine", argv, body, args.output_file, stem, machine_info(args.device)
+    )
 
 
 if __name__ == "__main__":

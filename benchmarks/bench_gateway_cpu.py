@@ -1,6 +1,6 @@
 r"""Gateway CPU per streamed token: ``python -m gateway`` in front of a fake worker.
 
-    python benchmarks/bench_gateway_cpu.py --rates 10000 30000 100000 --repeat 3
+    python -m benchmarks.bench_gateway_cpu --rates 10000 30000 100000 --repeat 3
 
 The fake worker (in this process) speaks the request plane (a ZMQ ROUTER that
 answers ``Generate`` with a token stream and honours ``Abort``) and serves the
@@ -35,7 +35,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,17 +47,16 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS_DIR, command
+from gateway.text import Tokenizer
+from harness.cluster import gateway_cmd
+from harness.host import git_commit, host_info
+from harness.procs import Proc, free_port
+from protocol import to_gateway, to_worker, tokenizer_files
+from protocol.roles import BOTH
+from protocol.to_gateway import TokenDelta, Tokens
+from protocol.to_worker import Abort, Generate
 
-from benchmarks.common import git_commit, host_info  # noqa: E402
-from gateway.text import Tokenizer  # noqa: E402
-from protocol import to_gateway, to_worker, tokenizer_files  # noqa: E402
-from protocol.roles import BOTH  # noqa: E402
-from protocol.to_gateway import TokenDelta, Tokens  # noqa: E402
-from protocol.to_worker import Abort, Generate  # noqa: E402
-from worker.processes import free_port, stop_processes, wait_http_ok  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL_NAME = "fake-tiny"
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the old river runs past the "
@@ -373,25 +371,17 @@ def pin_cores(gateway_pid: int) -> None:
     os.sched_setaffinity(0, set(cores[:-1]))
 
 
-def gateway_cmd(port: int, worker_url: str, profile: str | None) -> list[str]:
-    run = ["-m", "cProfile", "-o", profile, "-m", "gateway"] if profile else ["-m", "gateway"]
-    return [
-        sys.executable,
-        *run,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--decode",
-        worker_url,
-        "--log-level",
-        "warning",
-        # What is measured is the work per token; a loop that spins between
-        # events (on by default on hosts with cores to spare) would add its
-        # idle time to it.
-        "--busy-poll-s",
-        "0",
-    ]
+def gateway_proc(worker_url: str, profile: str | None, log_path: Path) -> Proc:
+    """``python -m gateway`` in front of the fake worker at ``worker_url``, under
+    cProfile when ``profile`` names a file for its stats."""
+    port = free_port()
+    # What is measured is the work per token; a loop that spins between events
+    # (on by default on hosts with cores to spare) would add its idle time to it.
+    args = ["--decode", worker_url, "--log-level", "warning", "--busy-poll-s", "0"]
+    python, *cmd = gateway_cmd(port, *args)
+    if profile:
+        cmd = ["-m", "cProfile", "-o", profile, *cmd]
+    return Proc("gateway", [python, *cmd], log_path, port=port)
 
 
 async def run_once(
@@ -399,39 +389,32 @@ async def run_once(
 ) -> RunResult:
     worker = FakeWorker(model_dir, cfg.step_s)
     await worker.start()
-    port = free_port()
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            gateway_cmd(port, worker.url, profile),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parents[1],
-        )
+    gateway = gateway_proc(worker.url, profile, log_path).start()
+    assert gateway.proc is not None and gateway.port is not None
+    pid, port = gateway.proc.pid, gateway.port
     try:
-        await asyncio.to_thread(
-            wait_http_ok, proc, f"http://127.0.0.1:{port}/health", 60.0, "gateway"
-        )
+        await asyncio.to_thread(gateway.wait_http, "/health", 60.0)
         if pin:
-            pin_cores(proc.pid)
+            pin_cores(pid)
         # Warm up: one short request (imports, first tokenization, the ZMQ connection).
         path, body = request_body(cfg.endpoint, 8, -1)
         await stream_one(port, body, path, ClientTally())
-        idle0, t_idle = process_cpu_s(proc.pid), time.monotonic()
+        idle0, t_idle = process_cpu_s(pid), time.monotonic()
         await asyncio.sleep(1.0)
-        idle_rate = (process_cpu_s(proc.pid) - idle0) / (time.monotonic() - t_idle)
+        idle_rate = (process_cpu_s(pid) - idle0) / (time.monotonic() - t_idle)
         tally = ClientTally()
         own0 = process_cpu_s(os.getpid())
-        (user0, sys0), t0 = process_times(proc.pid), time.monotonic()
+        (user0, sys0), t0 = process_times(pid), time.monotonic()
         deadline = t0 + cfg.duration_s
         await asyncio.gather(
             *(client_loop(port, cfg, deadline, tally) for _ in range(cfg.concurrency))
         )
         wall = time.monotonic() - t0
-        user1, sys1 = process_times(proc.pid)
+        user1, sys1 = process_times(pid)
         cpu, system = user1 + sys1 - user0 - sys0, sys1 - sys0
         own = process_cpu_s(os.getpid()) - own0
     finally:
-        await asyncio.to_thread(stop_processes, [proc], 30.0)
+        await asyncio.to_thread(gateway.stop)
         await worker.stop()
     return RunResult(
         rate=cfg.rate,
@@ -496,7 +479,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_gateway_cpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--rates", type=float, nargs="+", default=[10_000, 30_000, 100_000], help="tokens/s"
@@ -552,9 +537,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "gateway_cpu",
         "label": args.label,
         "date": now.isoformat(timespec="seconds"),
-        "command": " ".join(
-            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
-        ),
+        "command": command("benchmarks.bench_gateway_cpu", argv),
         "git_commit": commit,
         "machine": host_info(),
         "endpoint": args.endpoint,

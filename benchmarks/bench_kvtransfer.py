@@ -1,6 +1,6 @@
 r"""KV transfer benchmark: move the KV cache of N tokens between two processes.
 
-    python benchmarks/bench_kvtransfer.py --model llama-3.1-8b --tokens 8192 \
+    python -m benchmarks.bench_kvtransfer --model llama-3.1-8b --tokens 8192 \
         --page-size 16 --backend all --layout all --src-device cuda:0 --dst-device cuda:1
 
 Two spawned processes each own a page-major KV pool (``engine.kvcache.pool``)
@@ -14,20 +14,39 @@ Prints a table and writes a JSON record under benchmarks/results/.
 ``--pd-requests N`` also runs N disaggregated requests through a real prefill
 and a real decode worker on ``--device`` (``--pd-model``: a model directory,
 e.g. dummy weights from ``engine/dummy_model.py``; default the built-in
-tiny model) and reports each request's decode-side KV wait, p50/p99
-(``benchmarks/kv_wait.py``); ``--pd-only`` skips the pool-to-pool cases.
+tiny model) and reports each request's decode-side KV wait, p50/p99;
+``--pd-only`` skips the pool-to-pool cases. For that this script plays the
+gateway over the request plane (``Generate`` to decode and ``Prefill`` to
+prefill at once, one room each) for random token-id prompts at a fixed
+concurrency, and reads every request's stage stamps off the final deltas of
+both workers (``protocol.stages``). Per request:
+
+- ``kv_wait``: prefill's last forward finished (its first token sampled) until
+  the first decode step with the request launched: the KV transfer's tail,
+  the Done message and the decode scheduler's pick-up. The two stamps come
+  from two processes whose stage offsets start when each received the
+  request; both requests leave this process in the same loop tick, so the two
+  starts differ by the request plane's delivery skew (tens of µs when the
+  workers are idle: at concurrency 1 the figure is exact to about that);
+- ``done_to_first_step``: the decode worker's part of it, Done received until
+  the first decode step launched (decode clock alone);
+- ``transfer_tail``: the rest, ``kv_wait - done_to_first_step``;
+- ``first_gap``: the requester's view, prefill's first token to the decode
+  worker's first token (one decode step more, and prefill's own send).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import itertools
 import json
 import multiprocessing as mp
 import random
+import secrets
 import statistics
-import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,19 +54,25 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS_DIR, command
+from engine.kvcache.pool import KVPool, KVPoolConfig
+from engine.model_config import DTYPES, ModelConfig
+from engine.presets import PRESETS
+from harness.agent_process import AgentProcess
+from harness.cluster import Worker
+from harness.host import git_commit, host_info
+from harness.procs import running
+from kvtransfer import TRANSFER_BACKENDS, make_backend
+from kvtransfer.backend import TransferState
+from kvtransfer.layout import page_ranges
+from protocol.auth import keys_for
+from protocol.client import WorkerClient, WorkerError
+from protocol.sampling import SamplingParams
+from protocol.stages import DONE_RECEIVED, FIRST_TOKEN, FORWARD_STARTED
+from protocol.to_gateway import TokenDelta
+from protocol.to_worker import Generate, Prefill
+from worker.config import CLUSTER_TOKEN_ENV
 
-from benchmarks.agent_process import AgentProcess  # noqa: E402
-from benchmarks.common import git_commit, host_info  # noqa: E402
-from benchmarks.kv_wait import print_summary, run_kv_wait  # noqa: E402
-from engine.kvcache.pool import KVPool, KVPoolConfig  # noqa: E402
-from engine.model_config import DTYPES, ModelConfig  # noqa: E402
-from engine.presets import PRESETS  # noqa: E402
-from kvtransfer import TRANSFER_BACKENDS, make_backend  # noqa: E402
-from kvtransfer.backend import TransferState  # noqa: E402
-from kvtransfer.layout import page_ranges  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CALL_TIMEOUT_S = 600.0
 
 
@@ -230,6 +255,227 @@ def bench_backend(
     return rows
 
 
+# ------------------------------------------------- decode-side KV wait (--pd-requests)
+
+
+CLIENT_TIMEOUT_S = 120.0
+METRICS = ("kv_wait", "done_to_first_step", "transfer_tail", "first_gap")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation; NaN when empty."""
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=1000, method="inclusive")[max(0, round(q * 1000) - 1)]
+
+
+def request_waits(
+    prefill: list[TokenDelta], decode: list[TokenDelta], first_gap_s: float | None
+) -> dict[str, float] | None:
+    """The waits of one request from both workers' final deltas and the
+    requester's first-token gap (None when a side failed or lacks a stamp)."""
+    if not prefill or not decode or first_gap_s is None:
+        return None
+    if prefill[-1].finish_reason == "error" or decode[-1].finish_reason == "error":
+        return None
+    p, d = prefill[-1].stages or {}, decode[-1].stages or {}
+    if FIRST_TOKEN not in p or DONE_RECEIVED not in d or FORWARD_STARTED not in d:
+        return None
+    kv_wait = max(0.0, d[FORWARD_STARTED] - p[FIRST_TOKEN])
+    on_decode = max(0.0, d[FORWARD_STARTED] - d[DONE_RECEIVED])
+    return {
+        "kv_wait": kv_wait,
+        "done_to_first_step": on_decode,
+        "transfer_tail": max(0.0, kv_wait - on_decode),
+        "first_gap": first_gap_s,
+    }
+
+
+async def _one(
+    pc: WorkerClient,
+    dc: WorkerClient,
+    prefill_bootstrap: str,
+    decode_bootstrap: str,
+    rid: str,
+    prompt: list[int],
+    sampling: SamplingParams,
+) -> dict[str, float] | None:
+    room = secrets.token_hex(8)
+    arrivals: dict[str, float] = {}
+
+    async def collect(client: WorkerClient, msg: Generate | Prefill, side: str) -> list[TokenDelta]:
+        out = []
+        try:
+            async for delta in client.generate(msg):
+                if delta.token_ids and side not in arrivals:
+                    arrivals[side] = time.perf_counter()
+                out.append(delta)
+        except WorkerError:
+            return []
+        return out
+
+    gen = Generate(rid, prompt, sampling, room=room, prefill_bootstrap=prefill_bootstrap)
+    pre = Prefill(rid, prompt, sampling, room=room, decode_bootstrap=decode_bootstrap)
+    decode, prefill = await asyncio.gather(collect(dc, gen, "decode"), collect(pc, pre, "prefill"))
+    gap = None
+    if "decode" in arrivals and "prefill" in arrivals:
+        gap = arrivals["decode"] - arrivals["prefill"]
+    return request_waits(prefill, decode, gap)
+
+
+async def _drive(
+    p_info: dict[str, Any],
+    d_info: dict[str, Any],
+    token: str,
+    requests: int,
+    concurrency: int,
+    prompt_len: int,
+    output_len: int,
+    vocab: int,
+    seed: int,
+) -> tuple[list[dict[str, float]], int]:
+    rng = random.Random(seed)
+    # Ids away from 0 and the top of the vocabulary (special tokens live there).
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(prompt_len)] for _ in range(requests)]
+    sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    keys = keys_for(token)
+    pc = WorkerClient(p_info["request_endpoint"], timeout_s=CLIENT_TIMEOUT_S, auth=keys)
+    dc = WorkerClient(d_info["request_endpoint"], timeout_s=CLIENT_TIMEOUT_S, auth=keys)
+    waits: list[dict[str, float]] = []
+    failed = 0
+    queue = list(enumerate(prompts))
+
+    async def lane() -> None:
+        nonlocal failed
+        while queue:
+            i, prompt = queue.pop(0)
+            w = await _one(
+                pc,
+                dc,
+                p_info["bootstrap_endpoint"],
+                d_info["bootstrap_endpoint"],
+                f"kvw-{i}",
+                prompt,
+                sampling,
+            )
+            if w is None:
+                failed += 1
+            else:
+                waits.append(w)
+
+    async with pc, dc:
+        # One request first: connections, KV handshake and warm-up stay out of
+        # the figures.
+        await _one(
+            pc,
+            dc,
+            p_info["bootstrap_endpoint"],
+            d_info["bootstrap_endpoint"],
+            "kvw-warm",
+            prompts[0],
+            sampling,
+        )
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return waits, failed
+
+
+def model_vocab(model: str | None) -> int:
+    """The vocabulary size of a model directory (None: the built-in model)."""
+    if model is None:
+        from engine.tiny import VOCAB_SIZE
+
+        return VOCAB_SIZE
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
+def summarize(waits: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """p50/p99/mean in ms of every metric over the requests that have it."""
+    out = {}
+    for name in METRICS:
+        xs = [w[name] * 1e3 for w in waits if name in w]
+        out[name] = {
+            "p50_ms": round(percentile(xs, 0.5), 3),
+            "p99_ms": round(percentile(xs, 0.99), 3),
+            "mean_ms": round(statistics.fmean(xs), 3) if xs else float("nan"),
+            "n": len(xs),
+        }
+    return out
+
+
+def run_kv_wait(
+    *,
+    model: str | None,
+    device: str,
+    backend: str,
+    requests: int,
+    concurrency: int,
+    prompt_len: int,
+    output_len: int,
+    settings: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Start the two workers, run the requests, stop the workers; the summary
+    (and the settings it ran with). ``model``: a model directory (None: the
+    built-in tiny model)."""
+    token = secrets.token_hex(16)
+    env = {CLUSTER_TOKEN_ENV: token}
+    common = {"transfer_backend": backend, "device": device, **(settings or {})}
+    with tempfile.TemporaryDirectory(prefix="kv-wait-") as tmp, running([]) as workers:
+        logs = Path(tmp)
+        workers += [
+            Worker.make(role, role, logs, model=model, env=env, **common)
+            for role in ("prefill", "decode")
+        ]
+        try:
+            for w in workers:
+                w.start()
+            p_info, d_info = (w.wait_healthy().start_info for w in workers)
+            vocab = model_vocab(model)
+            waits, failed = asyncio.run(
+                _drive(
+                    p_info,
+                    d_info,
+                    token,
+                    requests,
+                    concurrency,
+                    prompt_len,
+                    output_len,
+                    vocab,
+                    seed,
+                )
+            )
+        except BaseException:
+            for w in workers:
+                print(f"----- {w.name} log -----\n{w.log_tail()}")
+            raise
+    return {
+        "backend": backend,
+        "device": device,
+        "requests": requests,
+        "concurrency": concurrency,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "failed": failed,
+        "waits": summarize(waits),
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(
+        f"decode-side KV wait, {summary['backend']} on {summary['device']}: "
+        f"{summary['requests']} requests of {summary['prompt_len']} prompt tokens at "
+        f"concurrency {summary['concurrency']} ({summary['failed']} failed)"
+    )
+    print(f"{'per request':<22}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'n':>6}")
+    for name, s in summary["waits"].items():
+        print(f"{name:<22}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}{s['mean_ms']:>10.3f}{s['n']:>6}")
+
+
+# ------------------------------------------------------------------ report
+
+
 def machine_info(devices: list[str]) -> dict:
     info: dict[str, Any] = {**host_info(), "torch": torch.__version__}
     gpus = sorted({d for d in devices if d.startswith("cuda")})
@@ -265,7 +511,9 @@ def print_table(rows: list[dict]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_kvtransfer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--tokens",
@@ -423,7 +671,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "kvtransfer",
         "date": now.isoformat(timespec="seconds"),
         "machine": machine_info([args.src_device, args.dst_device]),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command("benchmarks.bench_kvtransfer", argv),
         "git_commit": commit,
         "shape": {
             "model": label,

@@ -1,14 +1,14 @@
 """Where the time to first token goes, stage by stage, at concurrency 1.
 
     python -m gateway &      # or any gateway in front of workers
-    python benchmarks/bench_ttft_stages.py --base-url http://127.0.0.1:8000 \
+    python -m benchmarks.bench_ttft_stages --base-url http://127.0.0.1:8000 \
         --lengths 16 1024 4096 --cached-prefix 4096 --cached-new 128 --requests 8
 
 or, starting the deployments itself (one after the other, each stopped before
 the next starts; here a colocated ``--role both`` worker, then a prefill and a
 decode worker sharing one GPU over NIXL, each behind its own gateway)::
 
-    python benchmarks/bench_ttft_stages.py --deploy colocated disagg \
+    python -m benchmarks.bench_ttft_stages --deploy colocated disagg \
         --dummy-preset llama-3.1-8b --device cuda:0 --transfer-backend nixl \
         --kv-cache-memory-gb 16 --lengths 16 1024 4096 --cached-prefix 4096 \
         --cached-new 128 --requests 8
@@ -32,13 +32,11 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,14 +44,12 @@ from typing import Any, NamedTuple
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import compare_pd  # noqa: E402
-from benchmarks.bench_serving import fetch_model  # noqa: E402
-from benchmarks.common import git_commit, host_info  # noqa: E402
-from benchmarks.http_stream import StreamClient, sse_lines  # noqa: E402
-
-_SAMPLE = re.compile(r"^(gateway_(?:worker_)?stage_seconds)_(sum|count)\{([^}]*)\} (\S+)$")
+from benchmarks import compare_pd
+from benchmarks.bench_serving import fetch_model
+from benchmarks.common import RESULTS_DIR, command
+from harness.host import git_commit, host_info
+from harness.http_stream import StreamClient, sse_lines
+from harness.stages import stage_means_ms, stage_totals
 
 
 class Case(NamedTuple):
@@ -62,33 +58,6 @@ class Case(NamedTuple):
     """Tokens shared by every request of the case (sent once first, to be cached)."""
     new_len: int
     """Tokens of each request after the prefix (fresh every request)."""
-
-
-def stage_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """``{"gateway:stage" or "<role>:stage": (sum_s, count)}`` from /metrics."""
-    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for line in metrics_text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        metric, kind, labels, value = m.groups()
-        tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        who = "gateway" if metric == "gateway_stage_seconds" else tags.get("role", "worker")
-        key = f"{who}:{tags.get('stage', '?')}"
-        out[key][0 if kind == "sum" else 1] += float(value)
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def stage_means_ms(
-    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> dict[str, float]:
-    """Mean of each stage over the requests between two snapshots, in ms."""
-    means = {}
-    for key, (s1, c1) in after.items():
-        s0, c0 = before.get(key, (0.0, 0.0))
-        if c1 > c0:
-            means[key] = (s1 - s0) / (c1 - c0) * 1e3
-    return means
 
 
 def random_ids(n: int, rng: random.Random, low: int, high: int) -> list[int]:
@@ -197,7 +166,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.bench_ttft_stages",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="gateway (default: %(default)s)"
@@ -362,17 +333,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "ttft_stages",
         "date": now.isoformat(timespec="seconds"),
         "label": args.label,
-        "command": " ".join(
-            ["bench_ttft_stages.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
+        "command": command("benchmarks.bench_ttft_stages", argv),
         "git_commit": git_commit(),
         "machine": host_info(),
         "results": rows,
     }
-    out = Path(
-        args.output_file
-        or Path(__file__).parent / "results" / f"ttft-stages-{now:%Y%m%d-%H%M%S}.json"
-    )
+    out = Path(args.output_file or RESULTS_DIR / f"ttft-stages-{now:%Y%m%d-%H%M%S}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -1,69 +1,48 @@
-"""Helpers shared by the benchmark scripts."""
+"""What the benchmark tools share: where results go, the command that reruns a
+tool, and the record they write."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import platform
-import subprocess
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from harness.host import git_commit, host_info
 
-def git_commit() -> str:
-    """Short hash of the checked-out commit, or "unknown" outside a git checkout."""
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def host_info() -> dict[str, Any]:
-    """The facts of this host every result record carries (torch-free)."""
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-    }
+def command(module: str, argv: Sequence[str] | None = None) -> str:
+    """``python -m module ARGS``, ARGS being ``argv`` (default: this process's),
+    as a result record gives its command."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_record(
-    benchmark: str,
-    argv: list[str],
+    module: str,
+    argv: Sequence[str] | None,
     body: dict[str, Any],
-    output_file: str | None,
+    output_file: str | Path | None,
     stem: str,
     machine: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a result record (date, command, commit, machine, then ``body``) to
-    ``output_file``, or to ``results/{stem}-{date}.json`` beside this file;
-    returns the path."""
-    import json
-    from datetime import UTC, datetime
-
+    """Write a result record of the tool ``module`` (its name, date, command,
+    commit, machine, then ``body``) to ``output_file``, or to
+    ``results/{stem}-{date}.json``; returns the path."""
     now = datetime.now(UTC)
     record = {
-        "benchmark": benchmark,
+        "benchmark": module.removeprefix("benchmarks."),
         "date": now.isoformat(timespec="seconds"),
-        "command": " ".join([f"{benchmark}.py", *argv]),
+        "command": command(module, argv),
         "git_commit": git_commit(),
         "machine": machine or host_info(),
         **body,
     }
-    path = Path(
-        output_file or Path(__file__).parent / "results" / f"{stem}-{now:%Y%m%d-%H%M%S}.json"
-    )
+    path = Path(output_file or RESULTS_DIR / f"{stem}-{now:%Y%m%d-%H%M%S}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")

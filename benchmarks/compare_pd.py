@@ -1,13 +1,13 @@
 """Disaggregated vs colocated serving on the same hardware, with one workload.
 
-Runs ``bench_serving.py`` against (a) one ``python -m prefill_server`` worker
+Runs ``benchmarks.bench_serving`` against (a) one ``python -m prefill_server`` worker
 plus one ``python -m decode_server`` worker behind ``python -m gateway
 --prefill URL --decode URL``, then (b) one ``python -m decode_server --role
 both`` worker behind ``python -m gateway --decode URL``; prints both results
 side by side and appends both JSON records (labels "pd" and "colocated") to
-``--output-file``. Everything after ``--`` goes to bench_serving.py::
+``--output-file``. Everything after ``--`` goes to ``benchmarks.bench_serving``::
 
-    python benchmarks/compare_pd.py --dummy-preset llama-3.1-8b \\
+    python -m benchmarks.compare_pd --dummy-preset llama-3.1-8b \\
         --prefill-device cuda:0 --decode-device cuda:1 --colocated-device cuda:0 cuda:1 \\
         --transfer-backend nixl --kv-cache-memory-gb 40 -- \\
         --random-input-len 2048 --random-output-len 256 --num-prompts 200 \\
@@ -23,109 +23,62 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import secrets
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import bench_serving
+from engine.config import LOAD_FORMATS, EngineConfig
+from engine.dummy_model import write_dummy_model
+from engine.presets import PRESETS
+from harness.cluster import Gateway, Worker
+from harness.loadgen import FIRST_TOKEN_ID
+from harness.procs import Proc, running, start_all
+from kvtransfer import TRANSFER_BACKENDS
+from worker.config import CLUSTER_TOKEN_ENV, WorkerConfig
 
-from benchmarks import bench_serving  # noqa: E402
-from engine.config import LOAD_FORMATS, EngineConfig  # noqa: E402
-from engine.dummy_model import write_dummy_model  # noqa: E402
-from engine.presets import PRESETS  # noqa: E402
-from kvtransfer import TRANSFER_BACKENDS  # noqa: E402
-from worker.config import CLUSTER_TOKEN_ENV, WorkerConfig  # noqa: E402
-from worker.processes import free_port, stop_processes, wait_http_ok  # noqa: E402
-
-STOP_TIMEOUT_S = 30.0
 ENGINE_DEFAULTS = EngineConfig()
 LABELS = {"pd": "disaggregated", "colocated": "colocated"}
 
 
-@dataclass
-class Process:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    url: str
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-def print_logs(procs: Sequence[Process]) -> None:
+def print_logs(procs: list[Proc]) -> None:
     for p in procs:
-        state = "running" if p.proc.poll() is None else f"exited with {p.proc.returncode}"
+        state = "running" if p.alive else f"exited with {p.proc and p.proc.returncode}"
         print(f"----- {p.name} ({state}), {p.log_path} -----", file=sys.stderr)
-        print(log_tail(p.log_path), file=sys.stderr)
+        print(p.log_tail(40), file=sys.stderr)
 
 
-def start(name: str, cmd: list[str], log_dir: Path, env: dict[str, str]) -> Process:
-    port = int(cmd[cmd.index("--port") + 1])
-    log_path = log_dir / f"{name}.log"
-    with open(log_path, "wb") as log:
-        # Own process group: a Ctrl-C in the terminal reaches only this script,
-        # which then stops the gateway before its workers; and a SIGKILL of the
-        # group also takes a worker's engine process.
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
-        )
-    return Process(name, proc, log_path, f"http://127.0.0.1:{port}")
-
-
-def wait_healthy(procs: Sequence[Process], timeout_s: float) -> None:
-    """Poll each process's /health until 200; raise if one exits or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        left = max(0.0, deadline - time.monotonic())
-        wait_http_ok(p.proc, f"{p.url}/health", left, p.name, poll_s=0.2)
-
-
-def stop_all(procs: Sequence[Process]) -> None:
-    """SIGTERM all (in order), wait, SIGKILL the process group of any that lingers."""
-    stop_processes([p.proc for p in procs], STOP_TIMEOUT_S)
-
-
-def worker_cmd(
-    module: str, role: str, device: str, args: argparse.Namespace, model: str | None
-) -> list[str]:
-    config = WorkerConfig.from_settings(
-        role=role,
-        host="127.0.0.1",
-        port=free_port(),
+def worker(
+    name: str, role: str, device: str, args: argparse.Namespace, model: str | None, log_dir: Path
+) -> tuple[str, Worker]:
+    """(``role``, the worker) of a deployment, not started."""
+    # A colocated worker moves no KV: it keeps the default backend.
+    transfer = {} if role == "both" else {"transfer_backend": args.transfer_backend}
+    return role, Worker.make(
+        name,
+        role,
+        log_dir,
         model=model,
+        flags=shlex.split(args.worker_args),
         device=device,
         load_format=args.load_format,
         page_size=args.page_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
-        # A colocated worker moves no KV: it keeps the default backend.
-        **({} if role == "both" else {"transfer_backend": args.transfer_backend}),
+        **transfer,
     )
-    return [sys.executable, "-m", module, *config.to_argv(), *shlex.split(args.worker_args)]
 
 
-def gateway_cmd(workers: list[tuple[str, str]], args: argparse.Namespace) -> list[str]:
-    """``workers``: (role, URL) pairs. Colocated ("both") workers join the decode pool."""
-    cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(free_port())]
-    prefill = [url for role, url in workers if role == "prefill"]
-    if prefill:
-        cmd += ["--prefill", *prefill]
-    cmd += ["--decode", *(url for role, url in workers if role != "prefill")]
-    return cmd + shlex.split(args.gateway_args)
+def gateway_args(workers: list[tuple[str, Worker]], args: argparse.Namespace) -> list[str]:
+    """``workers``: (role, worker) pairs. Colocated ("both") workers join the decode pool."""
+    prefill = [w.url for role, w in workers if role == "prefill"]
+    out = ["--prefill", *prefill] if prefill else []
+    out += ["--decode", *(w.url for role, w in workers if role != "prefill")]
+    return out + shlex.split(args.gateway_args)
 
 
 @contextlib.contextmanager
@@ -133,35 +86,34 @@ def deployment(
     label: str, args: argparse.Namespace, model: str | None, log_dir: Path
 ) -> Iterator[str]:
     """Start the workers and gateway of ``label``; yield the gateway URL; always stop them."""
-    env = {**os.environ, CLUSTER_TOKEN_ENV: secrets.token_hex(16)}
     if label == "pd":
-        specs = [
-            ("prefill_server", "prefill", args.prefill_device),
-            ("decode_server", "decode", args.decode_device),
+        roles = [
+            worker("pd-prefill", "prefill", args.prefill_device, args, model, log_dir),
+            worker("pd-decode", "decode", args.decode_device, args, model, log_dir),
         ]
     else:
-        specs = [("decode_server", "both", device) for device in args.colocated_device]
-    procs: list[Process] = []  # in stop order: the gateway first
-    try:
-        for module, role, device in specs:
-            cmd = worker_cmd(module, role, device, args, model)
-            name = f"{label}-{role}" + (f"-{len(procs)}" if role == "both" else "")
-            procs.append(start(name, cmd, log_dir, env))
-        wait_healthy(procs, args.start_timeout_s)
-        urls = [(role, p.url) for (_, role, _), p in zip(specs, procs)]
-        gateway = start(f"{label}-gateway", gateway_cmd(urls, args), log_dir, env)
-        procs.insert(0, gateway)
-        wait_healthy([gateway], args.start_timeout_s)
-        yield gateway.url
-        if dead := [p.name for p in procs if p.proc.poll() is not None]:
-            raise RuntimeError(f"{', '.join(dead)} exited during the benchmark")
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
-        print_logs(procs)
-        raise
-    finally:
-        stop_all(procs)
+        roles = [
+            worker(f"{label}-both-{i}", "both", device, args, model, log_dir)
+            for i, device in enumerate(args.colocated_device)
+        ]
+    workers = [w for _, w in roles]
+    gateway = Gateway.make(log_dir / f"{label}-gateway.log", gateway_args(roles, args))
+    token = {CLUSTER_TOKEN_ENV: secrets.token_hex(16)}
+    procs: list[Proc] = [gateway, *workers]  # in stop order: the gateway first
+    for p in procs:
+        p.env.update(token)
+    with running(procs):
+        try:
+            start_all(workers, args.start_timeout_s)
+            start_all([gateway], args.start_timeout_s)
+            yield gateway.url
+            if dead := [p.name for p in procs if not p.alive]:
+                raise RuntimeError(f"{', '.join(dead)} exited during the benchmark")
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            print_logs(procs)
+            raise
 
 
 def token_id_limit(model_dir: str | None) -> int | None:
@@ -174,7 +126,7 @@ def token_id_limit(model_dir: str | None) -> int | None:
     for key in ("bos_token_id", "eos_token_id"):
         v = cfg.get(key)
         ids += v if isinstance(v, list) else ([] if v is None else [v])
-    high = [int(i) for i in ids if int(i) > bench_serving.FIRST_TOKEN_ID]
+    high = [int(i) for i in ids if int(i) > FIRST_TOKEN_ID]
     return min([int(cfg["vocab_size"]), *high])
 
 
@@ -223,8 +175,8 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="compare_pd.py",
-        usage="%(prog)s [options] [-- bench_serving.py options]",
+        prog="python -m benchmarks.compare_pd",
+        usage="%(prog)s [options] [-- benchmarks.bench_serving options]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import re
 import secrets
 import shlex
@@ -48,11 +47,10 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from engine.presets import PRESETS  # noqa: E402
-from worker.processes import free_port, stop_processes  # noqa: E402
+from engine.presets import PRESETS
+from harness.host import git_commit
+from harness.procs import REPO, Proc, free_port, running
+from harness.procs import ProcError as Failed
 
 DEFAULT_GPU_MODEL = "llama-3.1-8b"
 START_TIMEOUT_S = 300.0
@@ -62,7 +60,6 @@ KILL_ERROR_S = 30.0
 """How long a client may wait for its stream to end once its decode worker died."""
 READMIT_TIMEOUT_S = 30.0
 """How long the gateway may take to route to a restarted worker that answers /health."""
-STOP_TIMEOUT_S = 30.0
 PYTEST_TIMEOUT_S = 600.0
 LOG_LINES = 40
 GPU_MEMORY_FLAG = "--gpu-memory-utilization"
@@ -77,111 +74,10 @@ SCHEMA = {
 }
 
 
-class Failed(Exception):
-    """A check failed; ``proc``: the process whose log explains it."""
-
-    def __init__(self, reason: str, proc: Proc | None = None) -> None:
-        super().__init__(reason)
-        self.proc = proc
-
-
-# -- processes ---------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    """One server process in its own process group (a worker's front and engine
-    process go together), its output appended to ``log_path``."""
-
-    name: str
-    cmd: list[str]
-    env: dict[str, str]
-    log_path: Path
-    port: int = 0
-    popen: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def dead(self) -> bool:
-        return self.popen is None or self.popen.poll() is not None
-
-    def start(self) -> None:
-        assert self.dead, f"{self.name} is running"  # never lose a running process
-        with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(
-                self.cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env=self.env,
-                start_new_session=True,
-            )
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group and wait until none of it is left."""
-        assert self.popen is not None
-        pgid = self.popen.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        self.popen.wait(10)
-        deadline = time.monotonic() + 10
-        with contextlib.suppress(ProcessLookupError):
-            while time.monotonic() < deadline:
-                os.killpg(pgid, 0)  # raises once the group is gone
-                time.sleep(0.05)
-
-    def log_tail(self, lines: int = LOG_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as e:
-            return f"(no log: {e})"
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def child_groups(pid: int) -> list[int]:
-    """The process groups that children of ``pid`` lead (Linux; elsewhere none)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid, pgid = stat.read_text().rsplit(")", 1)[1].split()[1:3]
-            if int(ppid) == pid and pgid == stat.parent.name:
-                found.append(int(pgid))
-    return found
-
-
-@contextlib.contextmanager
-def running(procs: list[Proc]) -> Iterator[None]:
-    """Stop ``procs`` on the way out: SIGTERM in order, SIGKILL of the group of
-    any that lingers, and then of whatever is left of each group and of the
-    groups its children lead (the embedded workers of a gateway)."""
-    try:
-        yield
-    finally:
-        popens = [p.popen for p in procs if p.popen is not None]
-        groups = [q.pid for q in popens] + [g for q in popens for g in child_groups(q.pid)]
-        stop_processes(popens, STOP_TIMEOUT_S)
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-
-
-def wait_ok(proc: Proc, url: str, timeout_s: float = START_TIMEOUT_S) -> float:
-    """Poll ``url`` until 200; fail when ``proc`` exits or ``timeout_s`` passes.
-    Returns the seconds it took."""
-    t0 = time.monotonic()
-    while True:
-        if proc.dead:
-            code = proc.popen.returncode if proc.popen else None
-            raise Failed(f"{proc.name} exited with {code}", proc)
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise Failed(f"{url} not 200 after {timeout_s:g}s", proc)
-        time.sleep(0.2)
+def wait_ok(proc: Proc, path: str = "/health", timeout_s: float = START_TIMEOUT_S) -> float:
+    """Poll ``proc``'s ``path`` until 200; fail (``Failed``) when it exits or
+    ``timeout_s`` passes. Returns the seconds it took."""
+    return proc.wait_http(path, timeout_s, poll_s=0.2)
 
 
 # -- deployments -------------------------------------------------------------------
@@ -238,14 +134,12 @@ def device_flags(s: Setup) -> list[str]:
 
 def build(label: str, s: Setup) -> Deployment:
     """The processes of deployment ``label`` (not started yet)."""
-    env = dict(os.environ)
-    if label in "cd":
-        env["DISAGG_CLUSTER_TOKEN"] = secrets.token_hex(16)
+    env = {"DISAGG_CLUSTER_TOKEN": secrets.token_hex(16)} if label in "cd" else {}
 
     def proc(name: str, cmd: list[str]) -> Proc:
         port = free_port()
         path = s.log_dir / f"{label}-{name}.log"
-        return Proc(f"{label}-{name}", [*cmd, "--port", str(port)], env, path, port)
+        return Proc(f"{label}-{name}", [*cmd, "--port", str(port)], path, env, port)
 
     gateway = py("gateway", "--host", "127.0.0.1", *device_flags(s))
     if label == "a":
@@ -276,9 +170,9 @@ def check_start(d: Deployment) -> str:
     for p in workers:
         p.start()
     for p in workers:
-        wait_ok(p, f"{p.url}/health")
+        wait_ok(p)
     gateway.start()
-    wait_ok(gateway, f"{gateway.url}/health")
+    wait_ok(gateway)
     d.http = httpx.Client(base_url=gateway.url, timeout=REQUEST_TIMEOUT_S)
     card = d.http.get("/v1/models").raise_for_status().json()["data"][0]
     d.model, d.max_model_len = card["id"], int(card.get("max_model_len") or 0)
@@ -394,22 +288,22 @@ def check_restart(d: Deployment) -> str:
     """Restart the killed decode worker on its port; once it and the gateway
     answer /health, a request must succeed."""
     decode = d.decode
-    if not decode.dead:
+    if decode.alive:
         raise Failed(f"{decode.name} was not killed")
     decode.start()
-    up = wait_ok(decode, f"{decode.url}/health")
-    readmitted = wait_ok(d.gateway, f"{d.gateway.url}/health", READMIT_TIMEOUT_S)
+    up = wait_ok(decode)
+    readmitted = wait_ok(d.gateway, timeout_s=READMIT_TIMEOUT_S)
     check_chat(d)
     return f"worker healthy in {up:.1f}s, gateway in {readmitted:.1f}s more"
 
 
 def check_pytest(log_dir: Path) -> str:
-    p = Proc("pytest", py("pytest", "-q", "-m", "gpu"), dict(os.environ), log_dir / "pytest.log")
+    p = Proc("pytest", py("pytest", "-q", "-m", "gpu"), log_dir / "pytest.log")
     with running([p]):
         p.start()
-        assert p.popen is not None
+        assert p.proc is not None
         try:
-            code = p.popen.wait(PYTEST_TIMEOUT_S)
+            code = p.proc.wait(PYTEST_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise Failed(f"not done after {PYTEST_TIMEOUT_S:g}s", p) from None
     summary = re.compile(r"\d+ (passed|failed|error|errors|skipped|deselected)\b")
@@ -454,7 +348,7 @@ class Runner:
         try:
             detail, ok = fn(arg), True
         except Failed as e:
-            detail, ok = str(e), False
+            detail, ok = e.reason, False
             explain = [e.proc] if e.proc else []
         except Exception as e:  # noqa: BLE001 - one broken check must not end the run
             detail, ok = f"{type(e).__name__}: {e}", False
@@ -462,11 +356,13 @@ class Runner:
         self.results.append(result)
         print(f"{'PASS' if ok else 'FAIL':<5} {name:<11} {result.seconds:6.2f}s  {detail}")
         if not ok:
-            for p in explain or [p for p in procs if p.popen and p.dead]:
+            for p in explain or [p for p in procs if p.exited]:
                 if p.name in self.shown:
                     continue
                 self.shown.add(p.name)
-                print(f"----- last {LOG_LINES} lines of {p.log_path} -----\n{p.log_tail()}")
+                print(
+                    f"----- last {LOG_LINES} lines of {p.log_path} -----\n{p.log_tail(LOG_LINES)}"
+                )
         sys.stdout.flush()
         return ok
 
@@ -536,16 +432,6 @@ def resolve_model(args: argparse.Namespace, cuda: bool) -> tuple[str, str | None
     return model, args.load_format
 
 
-def git_commit() -> str:
-    with contextlib.suppress(subprocess.SubprocessError, OSError):
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    return ""
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu_smoke",
@@ -574,7 +460,7 @@ def write_json(path: str, setup: Setup, gpu: str, runner: Runner) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"hostname": socket.gethostname(), "gpu": gpu},
         "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
-        "git_commit": git_commit(),
+        "git_commit": git_commit(full=True),
         "model": setup.model,
         "load_format": setup.load_format,
         "device": setup.device,

@@ -1,10 +1,10 @@
 """Serving speed with default flags: what a new user gets on one GPU.
 
 Starts each deployment with nothing beyond the model on the command line,
-runs ``bench_serving.py`` (random prompts, ``--ignore-eos``, all requests at
-once, at each concurrency) against its gateway, and stops it::
+runs ``benchmarks.bench_serving`` (random prompts, ``--ignore-eos``, all requests
+at once, at each concurrency) against its gateway, and stops it::
 
-    python benchmarks/serve_defaults.py --model llama-3.1-8b --load-format dummy \\
+    python -m benchmarks.serve_defaults --model llama-3.1-8b --load-format dummy \\
         --output-file benchmarks/results/serving-defaults.jsonl
 
 Deployments (``--deployments``):
@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from worker.processes import free_port, stop_processes, wait_http_ok  # noqa: E402
+from harness.procs import REPO, Proc, ProcError, free_port, running
 
 START_TIMEOUT_S = 600.0
 WORKLOADS = ("1024:256:1:12", "1024:256:64:192", "1024:256:256:512")
@@ -37,53 +33,43 @@ WORKLOADS = ("1024:256:1:12", "1024:256:64:192", "1024:256:256:512")
 
 @contextlib.contextmanager
 def deployment(name: str, model: list[str], logs: Path) -> Iterator[str]:
-    """``model``: the flags every worker gets (the model, and any others)."""
-    """Start deployment ``name``; yields the gateway's base URL."""
-    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": secrets.token_hex(16)}
-    procs: list[subprocess.Popen[bytes]] = []
+    """Start deployment ``name``, ``model`` being the flags every worker gets
+    (the model, and any others); yields the gateway's base URL."""
+    env = {"DISAGG_CLUSTER_TOKEN": secrets.token_hex(16)}
+    procs: list[Proc] = []
 
-    def start(tag: str, args: list[str], health: str) -> None:
-        log = open(logs / f"{name}-{tag}.log", "wb")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO
-        )
-        procs.append(proc)
-        try:
-            wait_http_ok(proc, health, START_TIMEOUT_S, f"{name}/{tag}")
-        except RuntimeError:
-            print((logs / f"{name}-{tag}.log").read_text()[-4000:], file=sys.stderr)
-            raise
+    def start(tag: str, args: list[str], port: int, health: str = "/health") -> Proc:
+        cmd = [sys.executable, "-m", *args, "--port", str(port)]
+        proc = Proc(f"{name}/{tag}", cmd, logs / f"{name}-{tag}.log", env, port)
+        procs.insert(0, proc)  # stopped in the reverse order of starting
+        proc.start().wait_http(health, START_TIMEOUT_S)
+        return proc
 
-    gw_port = free_port()
-    gateway = f"http://127.0.0.1:{gw_port}"
-    try:
+    with running(procs):
         if name == "embedded":
-            start("gateway", ["gateway", "--port", str(gw_port), *model], f"{gateway}/v1/models")
+            gateway = start("gateway", ["gateway", *model], free_port(), "/v1/models")
         else:
             routes: list[str] = []
             roles = [("both", "decode_server", "--decode")]
+            share = []
             if name == "pair":
                 share = ["--gpu-memory-utilization", "0.45"]
                 roles = [
                     ("prefill", "prefill_server", "--prefill"),
                     ("decode", "decode_server", "--decode"),
                 ]
-            else:
-                share = []
             for role, module, flag in roles:
-                port = free_port()
-                args = [module, "--role", role, "--port", str(port), *model, *share]
-                start(role, args, f"http://127.0.0.1:{port}/health")
-                routes += [flag, f"http://127.0.0.1:{port}"]
-            start("gateway", ["gateway", "--port", str(gw_port), *routes], f"{gateway}/v1/models")
-        yield gateway
-    finally:
-        stop_processes(procs[::-1], 30.0)
+                worker = start(role, [module, "--role", role, *model, *share], free_port())
+                routes += [flag, worker.url]
+            gateway = start("gateway", ["gateway", *routes], free_port(), "/v1/models")
+        yield gateway.url
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.serve_defaults",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--load-format", default="dummy")
@@ -115,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     n_in, n_out, c, n = workload.split(":")
                     label = f"{name} {args.worker_args or 'defaults'} {workload}"
                     cmd = [
-                        sys.executable, str(REPO / "benchmarks" / "bench_serving.py"),
+                        sys.executable, "-m", "benchmarks.bench_serving",
                         "--base-url", url, "--dataset-name", "random",
                         "--random-input-len", n_in, "--random-output-len", n_out,
                         "--num-prompts", n, "--max-concurrency", c, "--request-rate", "inf",
@@ -126,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     ]  # fmt: skip
                     print(f"== {label}", flush=True)
                     failed += subprocess.run(cmd, cwd=REPO).returncode != 0
-        except RuntimeError as e:
+        except ProcError as e:
             print(f"{name}: {e}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0

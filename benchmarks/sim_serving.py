@@ -12,7 +12,7 @@ decode steps and mixed steps (decode rows plus prefill chunks) with their mean
 duration and composition. This is where scheduling policies (token budget,
 ``--prefill-per-request``) are compared before a full ``bench_serving`` run::
 
-    python benchmarks/sim_serving.py --model llama-3.1-8b --device cuda:0 \\
+    python -m benchmarks.sim_serving --model llama-3.1-8b --device cuda:0 \\
         --concurrency 256 --requests 512 --kv-cache-memory-gb 60 --cuda-graph-max-bs 256
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,12 +28,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import host_info, write_record  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from protocol.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import write_record
+from engine.config import EngineConfig
+from engine.engine import Engine
+from harness.host import host_info
+from protocol.sampling import SamplingParams
 
 
 def simulate(engine: Engine, concurrency: int, requests: int, args: argparse.Namespace) -> dict:
@@ -109,7 +107,9 @@ def simulate(engine: Engine, concurrency: int, requests: int, args: argparse.Nam
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.sim_serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", default=None, help="checkpoint dir or preset (dummy weights)")
     ap.add_argument("--device", default="auto", help="engine device (default: %(default)s)")
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     if torch.cuda.is_available() and args.device != "cpu":
         machine["gpu"] = torch.cuda.get_device_name()
     write_record(
-        "sim_serving",
-        argv if argv is not None else sys.argv[1:],
+        "benchmarks.sim_serving",
+        argv,
         {"model": args.model or "tiny (built-in)", "rows": rows},
         args.output_file,
         f"sim-serving-{Path(args.model).name if args.model else 'tiny'}",

@@ -1,185 +1,142 @@
-"""A local cluster of real processes for benchmarks: prefill and decode
-workers (``python -m prefill_server`` / ``decode_server``) and a gateway
-(``python -m gateway``), each with its log in a file, and the faults a
-process can be dealt (SIGKILL, SIGSTOP/SIGCONT, restart on the same port).
-
-Every worker runs in its own process group, so a signal reaches its front and
-its engine process together. Waits poll ``/health``; nothing sleeps a fixed
-time. Torch-free."""
+"""Worker and gateway processes of a local cluster: ``python -m prefill_server``
+/ ``decode_server`` workers with their command line built from
+``WorkerConfig`` (on the CPU unless told otherwise), ``python -m gateway``, and
+what a test or benchmark asks of them (``/server_info``, the admin API).
+Faults (SIGKILL, SIGSTOP/SIGCONT, restart on the same port) are ``Proc``'s.
+Torch-free."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from harness.procs import START_TIMEOUT_S, Proc, ProcError, free_port
 from worker.config import WorkerConfig
-from worker.processes import free_port, stop_processes, wait_http_ok
-
-REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 20.0
 
 
-def log_tail(path: Path, lines: int = 60) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as e:
-        return f"(no log: {e})"
-    return "\n".join(text.splitlines()[-lines:])
+def worker_cmd(
+    module: str,
+    port: int,
+    *,
+    role: str = "both",
+    model: str | None = None,
+    flags: Sequence[str] = (),
+    **settings: Any,
+) -> list[str]:
+    """``python -m module`` serving ``model`` on 127.0.0.1:``port``:
+    ``WorkerConfig.to_argv`` of these and of ``settings`` (worker or engine
+    settings, e.g. ``num_pages=64``; the device is the CPU unless they name
+    one), then ``flags`` verbatim."""
+    settings = {"device": "cpu", **settings}
+    config = WorkerConfig.from_settings(
+        role=role, model=model, host="127.0.0.1", port=port, **settings
+    )
+    return [sys.executable, "-m", module, *config.to_argv(), *flags]
 
 
-@dataclass
-class WorkerProcess:
-    """One worker: its command line (fixed, so a restart serves the same HTTP
-    port), its process while it runs, and its pool as it was at start."""
+def gateway_cmd(port: int, *args: str) -> list[str]:
+    """``python -m gateway`` on 127.0.0.1:``port`` with ``args``."""
+    return [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port), *args]
 
-    name: str
-    role: str
-    port: int
-    cmd: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    start_stats: dict[str, Any] = field(default_factory=dict)
-    """/server_info stats once it became healthy (its pool at rest)."""
-    paused: bool = False
+
+@dataclass(eq=False)
+class Worker(Proc):
+    """A worker process, and its ``/server_info`` as it was once healthy."""
+
+    start_info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def make(
         cls,
         name: str,
         role: str,
-        model: str | None,
         log_dir: Path,
-        env: dict[str, str],
+        *,
+        model: str | None = None,
+        env: dict[str, str] | None = None,
+        flags: Sequence[str] = (),
+        new_session: bool = True,
         **settings: Any,
-    ) -> WorkerProcess:
+    ) -> Worker:
+        """A worker of ``role`` on a free port (not started), its log
+        ``log_dir/name.log``; see ``worker_cmd`` for the rest."""
         port = free_port()
         module = "prefill_server" if role == "prefill" else "decode_server"
-        # The CPU unless ``settings`` name a device.
-        settings = {"device": "cpu", **settings}
-        config = WorkerConfig.from_settings(
-            role=role, model=model, host="127.0.0.1", port=port, **settings
-        )
-        cmd = [sys.executable, "-m", module, *config.to_argv()]
-        return cls(name, role, port, cmd, env, log_dir / f"{name}.log")
+        cmd = worker_cmd(module, port, role=role, model=model, flags=flags, **settings)
+        return cls(name, cmd, log_dir / f"{name}.log", env or {}, port, new_session)
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def endpoint(self) -> str:
+        """Request-plane (ZMQ) endpoint."""
+        return self.start_info["request_endpoint"]
 
     @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    def bootstrap(self) -> str | None:
+        """KV-plane bootstrap endpoint (prefill/decode roles)."""
+        return self.start_info.get("bootstrap_endpoint")
 
-    def start(self) -> None:
-        """Spawn it (appending to its log: a restart keeps the history)."""
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env={**os.environ, **self.env},
-                start_new_session=True,
-            )
-        self.paused = False
+    @property
+    def start_stats(self) -> dict[str, Any]:
+        """Its stats once it became healthy (its pool at rest)."""
+        return self.start_info["stats"]
 
-    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until /health answers 200; then record the pool at rest."""
-        assert self.proc is not None
-        try:
-            wait_http_ok(self.proc, f"{self.url}/health", timeout_s, self.name, poll_s=0.05)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}\n{log_tail(self.log_path)}") from None
-        self.start_stats = self.stats()
+    def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> Worker:
+        """Until ``/health`` answers 200; then record ``/server_info``."""
+        self.wait_http("/health", timeout_s)
+        self.start_info = self.info()
+        return self
 
-    def info(self, timeout_s: float = 5.0) -> dict[str, Any]:
+    def info(self, timeout_s: float = 10.0) -> dict[str, Any]:
         resp = httpx.get(f"{self.url}/server_info", timeout=timeout_s)
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise ProcError(f"/server_info answered {resp.status_code}: {resp.text}", self)
         return resp.json()
 
-    def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
         return self.info(timeout_s)["stats"]
 
-    def _signal_group(self, sig: signal.Signals) -> None:
-        assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL front and engine at once (no goodbye on any plane)."""
-        self._signal_group(signal.SIGKILL)
-        assert self.proc is not None
-        self.proc.wait(10)
-        self.paused = False
-
-    def pause(self) -> None:
-        self._signal_group(signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        self._signal_group(signal.SIGCONT)
-        self.paused = False
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.paused:
-            self.resume()
-        stop_processes([self.proc], STOP_TIMEOUT_S)
+    def wait_stats(
+        self, pred: Callable[[dict[str, Any]], bool], what: str, timeout: float = 10.0
+    ) -> dict[str, Any]:
+        """Poll the stats until ``pred`` holds; fail after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if pred(stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} never reached: {what}; last stats {stats}")
+            time.sleep(0.05)
 
 
-@dataclass
-class GatewayProcess:
-    port: int
-    cmd: list[str]
-    env: dict[str, str]
-    log_path: Path
-    admin_key: str
-    proc: subprocess.Popen[bytes] | None = None
+@dataclass(eq=False)
+class Gateway(Proc):
+    """A ``python -m gateway`` process, and its admin key (if it has one)."""
+
+    admin_key: str | None = None
 
     @classmethod
     def make(
         cls,
-        prefill: list[str],
-        decode: list[str],
-        admin_key: str,
         log_path: Path,
-        env: dict[str, str],
-        args: list[str],
-    ) -> GatewayProcess:
+        args: Sequence[str] = (),
+        *,
+        env: dict[str, str] | None = None,
+        admin_key: str | None = None,
+        new_session: bool = True,
+        name: str = "gateway",
+    ) -> Gateway:
+        """A gateway on a free port with ``args`` (not started)."""
         port = free_port()
-        cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--prefill", *prefill, "--decode", *decode, "--admin-key", admin_key, *args]
-        return cls(port, cmd, env, log_path, admin_key)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                env={**os.environ, **self.env},
-            )
-        try:
-            wait_http_ok(self.proc, f"{self.url}/health", timeout_s, "gateway", poll_s=0.05)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}\n{log_tail(self.log_path)}") from None
+        key = ["--admin-key", admin_key] if admin_key else []
+        cmd = gateway_cmd(port, *args, *key)
+        return cls(name, cmd, log_path, env or {}, port, new_session, admin_key=admin_key)
 
     def admin(self, method: str, path: str, **kw: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.admin_key}"}
@@ -190,19 +147,3 @@ class GatewayProcess:
         resp = self.admin("GET", "/admin/workers")
         resp.raise_for_status()
         return {w["url"]: w for w in resp.json()["workers"]}
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_processes([self.proc], STOP_TIMEOUT_S)
-
-
-def wait_until(pred: Any, timeout_s: float, poll_s: float = 0.05) -> bool:
-    """Poll ``pred()`` until it is true (True) or ``timeout_s`` passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if pred():
-                return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)

@@ -9,7 +9,7 @@ benchmark client's numbers can be compared with what was really on the wire
 (``GET /stats?detail=1`` adds each request's first write, keyed by the first
 token or word of its prompt).
 
-    python benchmarks/fake_openai_server.py --port 8123 --ttft-ms 60 --gap-ms 12
+    python -m harness.fake_openai_server --port 8123 --ttft-ms 60 --gap-ms 12
 
 The chunks look like vLLM's (id, object, created, model, choices, usage), so a
 client parses as much JSON per token as it would against a real server. Markers
@@ -373,7 +373,11 @@ def serve_in_process(timing: Timing) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m harness.fake_openai_server",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--ttft-ms", type=float, default=60.0, help="(default: %(default)s)")

@@ -1,14 +1,13 @@
-"""Fault matrix: a real cluster under steady streaming load, dealt one fault
+"""The fault matrix: a real cluster under steady streaming load, dealt one fault
 after another, with every greedy output checked against the offline engine.
-
-    python benchmarks/fault_matrix.py                    # 2 prefill + 2 decode, tcp
-    python benchmarks/fault_matrix.py --transfer-backend nixl
-    python benchmarks/fault_matrix.py --short            # the test suite's few scenarios
+The tool is ``python -m benchmarks.fault_matrix``; ``tests/test_fault_matrix.py``
+runs the short matrix (``short_config``) through ``run_matrix``.
 
 It starts N prefill and M decode workers (the built-in tiny model on the CPU,
-or ``--model``) and a gateway, computes the greedy completions of a fixed set
-of token-id prompts with ``engine.llm.LLM``, and runs ``--clients`` streaming
-clients (``/v1/completions``, ``return_token_ids``) through each scenario:
+or ``MatrixConfig.model``) and a gateway, computes the greedy completions of a
+fixed set of token-id prompts with ``engine.llm.LLM``, and runs
+``MatrixConfig.clients`` streaming clients (``/v1/completions``,
+``return_token_ids``) through each scenario:
 
   baseline        no fault
   kill-prefill    SIGKILL a prefill worker (front and engine), restart it
@@ -22,19 +21,19 @@ clients (``/v1/completions``, ``return_token_ids``) through each scenario:
   malformed       a burst of malformed requests beside the load (each must be a 4xx)
   overload        a burst of many more streams than the gateway admits (429 + Retry-After)
 
-Per scenario it prints: requests; ok (output equal to the offline engine's);
-wrong (any token that differs, even in a stream that then failed); failed
-(ended with an error that says why: an error event or a 4xx/429); hung (no
-end within ``--hang-s``); leaked pages (after the load stops every worker
+Per scenario a ``Result``: requests; ok (output equal to the offline
+engine's); wrong (any token that differs, even in a stream that then failed);
+failed (ended with an error that says why: an error event or a 4xx/429); hung
+(no end within ``hang_s``); leaked pages (after the load stops every worker
 must go back to its starting KV pool, read from /server_info, and nothing may
 stay in flight in a worker or the gateway); 5xx (an HTTP status >= 500, or a
-stream ended by an internal error, on a valid request); failover (seconds
-from the fault to the first token of the first request sent after it that
+stream ended by an internal error, on a valid request); failover (seconds from
+the fault to the first token of the first request sent after it that
 completed: served by another worker); recovery (seconds from the restarted,
 resumed or re-added worker answering /health to its first transferred
 request); share_after (that worker's share of its role's transfers in the
 after-phase that follows: about 1/N for N workers of the role when routing
-gives it its share). It exits non-zero on any wrong, hung, leaked or 5xx (and on a
+gives it its share). ``Result.bad``: any wrong, hung, leaked or 5xx (or a
 malformed request that got no 4xx, a 429 without Retry-After, or a scenario
 where nothing completed).
 
@@ -44,7 +43,6 @@ enabled only here through ``DISAGG_KV_FAULT_FILE`` on the prefill workers.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -53,18 +51,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: the repository root on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.cluster import GatewayProcess, WorkerProcess, log_tail, wait_until
-from benchmarks.common import git_commit, host_info
+from harness.cluster import Gateway, Worker
+from harness.procs import stop_all, wait_until
 from kvtransfer.faults import FAULT_FILE_ENV
 from worker.config import CLUSTER_TOKEN_ENV
 
@@ -116,6 +110,14 @@ class MatrixConfig:
     prompts: int = 24
     seed: int = 0
     log_dir: Path | None = None
+
+
+def short_config(**overrides: Any) -> MatrixConfig:
+    """The short matrix (the test suite's): one prefill worker, four clients,
+    the ``SHORT_SCENARIOS`` and shorter phases."""
+    short = dict(prefill=1, clients=4, scenarios=SHORT_SCENARIOS)
+    phases = dict(before_s=2.0, fault_s=3.0, after_s=2.0)
+    return MatrixConfig(**{**short, **phases, **overrides})
 
 
 # -- workload ------------------------------------------------------------------
@@ -419,28 +421,24 @@ class Matrix:
             "transfer_backend": cfg.backend,
             "transfer_timeout_s": cfg.transfer_timeout_s,
         }
+        prefill_env = {**env, FAULT_FILE_ENV: str(self.fault_file)}
         self.prefill = [
-            WorkerProcess.make(
-                f"prefill-{i}",
-                "prefill",
-                cfg.model,
-                log_dir,
-                {**env, FAULT_FILE_ENV: str(self.fault_file)},
-                **settings,
+            Worker.make(
+                f"prefill-{i}", "prefill", log_dir, model=cfg.model, env=prefill_env, **settings
             )
             for i in range(cfg.prefill)
         ]
         self.decode = [
-            WorkerProcess.make(f"decode-{i}", "decode", cfg.model, log_dir, env, **settings)
+            Worker.make(f"decode-{i}", "decode", log_dir, model=cfg.model, env=env, **settings)
             for i in range(cfg.decode)
         ]
-        self.gateway = GatewayProcess.make(
-            [w.url for w in self.prefill],
-            [w.url for w in self.decode],
-            self.admin_key,
+        self.gateway = Gateway.make(
             log_dir / "gateway.log",
-            {CLUSTER_TOKEN_ENV: self.token},
             [
+                "--prefill",
+                *(w.url for w in self.prefill),
+                "--decode",
+                *(w.url for w in self.decode),
                 "--health-interval-s",
                 "1",
                 "--worker-timeout-s",
@@ -456,12 +454,14 @@ class Matrix:
                 "--log-level",
                 "info",
             ],
+            env={CLUSTER_TOKEN_ENV: self.token},
+            admin_key=self.admin_key,
         )
         self.prompts: list[Prompt] = []
         self.model_name = ""
 
     @property
-    def workers(self) -> list[WorkerProcess]:
+    def workers(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
 
     def start(self) -> None:
@@ -471,7 +471,7 @@ class Matrix:
         self.prompts = reference(self.cfg.model, prompts)  # while the workers load
         for w in self.workers:
             w.wait_healthy()
-        self.gateway.start()
+        self.gateway.start().wait_http()
         models = httpx.get(f"{self.gateway.url}/v1/models", timeout=10).json()
         self.model_name = models["data"][0]["id"]
         # Every worker must be in routing before the first scenario.
@@ -487,9 +487,7 @@ class Matrix:
         )
 
     def stop(self) -> None:
-        self.gateway.stop()
-        for w in self.workers:
-            w.stop()
+        stop_all([self.gateway, *self.workers])
 
     # -- running one scenario ----------------------------------------------------
 
@@ -526,7 +524,7 @@ class Matrix:
         await asyncio.sleep(self.cfg.fault_s + self.cfg.after_s)
         return None
 
-    async def _kill(self, w: WorkerProcess, result: Result) -> float:
+    async def _kill(self, w: Worker, result: Result) -> float:
         at = time.monotonic()
         await asyncio.to_thread(w.kill)
         await asyncio.sleep(self.cfg.fault_s)
@@ -541,7 +539,7 @@ class Matrix:
     async def _kill_decode(self, result: Result, extra: list[Record]) -> float:
         return await self._kill(self.decode[0], result)
 
-    async def _pause(self, w: WorkerProcess, result: Result) -> float:
+    async def _pause(self, w: Worker, result: Result) -> float:
         at = time.monotonic()
         w.pause()
         await asyncio.sleep(self.cfg.fault_s)
@@ -557,7 +555,7 @@ class Matrix:
     async def _pause_decode(self, result: Result, extra: list[Record]) -> float:
         return await self._pause(self.decode[0], result)
 
-    async def _recovery(self, w: WorkerProcess, result: Result, baseline: int) -> None:
+    async def _recovery(self, w: Worker, result: Result, baseline: int) -> None:
         """Time from ``w`` answering health to its first transferred request
         (load keeps running); then the after-phase."""
         t = time.monotonic()
@@ -725,58 +723,6 @@ def _vocab(model: str | None) -> int:
     return int(cfg["vocab_size"])
 
 
-# -- report ----------------------------------------------------------------------
-
-COLUMNS = (
-    ("scenario", 14),
-    ("requests", 8),
-    ("ok", 5),
-    ("wrong", 5),
-    ("failed", 6),
-    ("429", 5),
-    ("hung", 4),
-    ("leaked", 6),
-    ("5xx", 4),
-    ("failover_s", 10),
-    ("recovery_s", 10),
-    ("share_after", 11),
-)
-
-
-def _cell(r: Result, name: str) -> str:
-    value: Any = {
-        "failed": r.failed,
-        "429": r.rejected,
-        "leaked": r.leaked_pages + r.stuck,
-        "5xx": r.server_errors,
-    }.get(name, getattr(r, name, None))
-    if name == "share_after":
-        return "-" if value is None else f"{value:.2f}"
-    if name in ("failover_s", "recovery_s"):
-        if value is None:
-            return "-"
-        kind = r.scenario.split("-")[0]
-        limit = LIMITS["recovery"] if name == "recovery_s" else LIMITS.get(kind)
-        return f"{value:.2f}" + ("!" if limit is not None and value > limit else "")
-    return str(value)
-
-
-def table(results: list[Result]) -> str:
-    head = " ".join(n.rjust(w) if i else n.ljust(w) for i, (n, w) in enumerate(COLUMNS))
-    lines = [head, "-" * len(head)]
-    for r in results:
-        if "tcp only" in r.notes:
-            lines.append(f"{r.scenario.ljust(COLUMNS[0][1])} (skipped: the hook is tcp only)")
-            continue
-        cells = [_cell(r, n) for n, _ in COLUMNS]
-        lines.append(
-            " ".join(
-                c.rjust(w) if i else c.ljust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))
-            )
-        )
-    return "\n".join(lines)
-
-
 async def run_matrix(cfg: MatrixConfig, on_result: Callable[[Result], None]) -> list[Result]:
     log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="fault-matrix-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -790,9 +736,8 @@ async def run_matrix(cfg: MatrixConfig, on_result: Callable[[Result], None]) -> 
             on_result(result)
             await asyncio.to_thread(_wait_settled, matrix)
     except BaseException:
-        for w in [*matrix.workers]:
-            print(f"--- {w.name} ---\n{log_tail(w.log_path, 40)}", file=sys.stderr)
-        print(f"--- gateway ---\n{log_tail(matrix.gateway.log_path, 40)}", file=sys.stderr)
+        for p in [*matrix.workers, matrix.gateway]:
+            print(f"--- {p.name} ---\n{p.log_tail(40)}", file=sys.stderr)
         raise
     finally:
         await asyncio.to_thread(matrix.stop)
@@ -803,105 +748,3 @@ def _wait_settled(matrix: Matrix) -> None:
     """Before the next scenario: every worker back in routing."""
     if not wait_until(matrix._all_available, 30):
         raise RuntimeError(f"workers did not all come back: {matrix.gateway.workers()}")
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[MatrixConfig, argparse.Namespace]:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--prefill", type=int, default=None, help="prefill workers (default 2; short: 1)"
-    )
-    ap.add_argument("--decode", type=int, default=2, help="decode workers (default %(default)s)")
-    ap.add_argument("--transfer-backend", default="tcp", choices=["tcp", "nixl"])
-    ap.add_argument(
-        "--model", default=None, help="checkpoint dir (default: the built-in tiny model)"
-    )
-    ap.add_argument(
-        "--clients", type=int, default=None, help="streaming clients (default 6; short: 4)"
-    )
-    ap.add_argument(
-        "--scenarios", default=None, help=f"comma-separated, from: {', '.join(ALL_SCENARIOS)}"
-    )
-    ap.add_argument(
-        "--short", action="store_true", help=f"{', '.join(SHORT_SCENARIOS)}, shorter phases"
-    )
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per engine process")
-    ap.add_argument(
-        "--log-dir", type=Path, default=None, help="worker and gateway logs (default: a temp dir)"
-    )
-    ap.add_argument(
-        "--json", type=Path, default=None, help="write the results (and the run's facts) here"
-    )
-    ns = ap.parse_args(argv)
-    scenarios = SHORT_SCENARIOS if ns.short else ALL_SCENARIOS
-    if ns.scenarios:
-        scenarios = tuple(s.strip() for s in ns.scenarios.split(",") if s.strip())
-        unknown = [s for s in scenarios if s not in ALL_SCENARIOS]
-        if unknown:
-            ap.error(f"unknown scenarios: {', '.join(unknown)}")
-    phases = dict(before_s=2.0, fault_s=3.0, after_s=2.0) if ns.short else {}
-    cfg = MatrixConfig(
-        prefill=ns.prefill if ns.prefill is not None else (1 if ns.short else 2),
-        decode=ns.decode,
-        backend=ns.transfer_backend,
-        model=ns.model,
-        clients=ns.clients if ns.clients is not None else (4 if ns.short else 6),
-        scenarios=scenarios,
-        threads=ns.threads,
-        log_dir=ns.log_dir,
-        **phases,
-    )
-    if any(s.endswith("-prefill") for s in scenarios) and cfg.prefill < 2:
-        ap.error("the prefill scenarios need --prefill 2 or more (a worker to fail over to)")
-    if any(s.endswith("-decode") or s == "admin-readd" for s in scenarios) and cfg.decode < 2:
-        ap.error("the decode scenarios need --decode 2 or more (a worker to fail over to)")
-    return cfg, ns
-
-
-def main(argv: list[str] | None = None) -> int:
-    cfg, ns = parse_args(argv)
-    t0 = time.monotonic()
-    print(
-        f"fault matrix: {cfg.prefill} prefill + {cfg.decode} decode workers, {cfg.backend}, "
-        f"{cfg.clients} clients; scenarios: {', '.join(cfg.scenarios)}",
-        flush=True,
-    )
-
-    def show(r: Result) -> None:
-        print(table([r]).splitlines()[-1], flush=True)
-        for note in r.notes:
-            print(f"    note: {note}", flush=True)
-        for ex in r.examples:
-            print(f"    {ex}", flush=True)
-
-    print(table([]), flush=True)
-    results = asyncio.run(run_matrix(cfg, show))
-    print()
-    print(table(results))
-    bad = [r.scenario for r in results if r.bad]
-    elapsed = time.monotonic() - t0
-    print(
-        f"\n{len(results)} scenarios in {elapsed:.0f}s; "
-        + (f"FAILED: {', '.join(bad)}" if bad else "all clean")
-    )
-    if ns.json is not None:
-        record = {
-            "benchmark": "fault_matrix",
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "git_commit": git_commit(),
-            "command": "python benchmarks/fault_matrix.py "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-            "host": host_info(),
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-            "seconds": round(elapsed, 1),
-            "results": [asdict(r) for r in results],
-            "table": table(results),
-        }
-        ns.json.parent.mkdir(parents=True, exist_ok=True)
-        ns.json.write_text(json.dumps(record, indent=2) + "\n")
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

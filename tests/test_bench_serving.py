@@ -1,18 +1,22 @@
-"""``benchmarks/bench_serving.py``, ``compare_pd.py`` and ``dummy_model.py``.
+"""``python -m benchmarks.bench_serving`` and its load generator
+(``harness.loadgen``, ``harness.http_stream``), ``python -m
+benchmarks.compare_pd`` and ``engine.dummy_model``.
 
 Metric arithmetic is checked against a fake OpenAI server
-(``benchmarks/fake_openai_server.py``, a process of its own) whose timing is
-known: a fixed time to first token, fixed gaps between one-token chunks, and
-prompt markers that slow a request down, fail it or drop its usage chunk. The
-same server at a real deployment's pace checks that the client adds no latency
-of its own, at concurrency 1 and 64. The raw HTTP client's framing, keep-alive
-and timeouts are checked piece by piece. Then the benchmark runs against the
-real gateway (embedded tiny workers, CPU), and compare_pd runs both
-deployments on a tiny dummy model.
+(``harness.fake_openai_server``, a process of its own) whose timing is known:
+a fixed time to first token, fixed gaps between one-token chunks, and prompt
+markers that slow a request down, fail it or drop its usage chunk; the tool
+itself runs against it too, and its JSON record is checked. The same server
+at a real deployment's pace checks that the client adds no latency of its
+own, at concurrency 1 and 64. The raw HTTP client's framing, keep-alive and
+timeouts are checked piece by piece. Then the tool runs against the real
+gateway (embedded tiny workers, CPU), and compare_pd runs both deployments on
+a tiny dummy model.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -31,13 +35,13 @@ import httpx
 import pytest
 from workers import REPO, launch_gateway, log_tail, procs_mentioning
 
-from benchmarks import bench_serving as bench
-from benchmarks import compare_pd, http_stream
-from benchmarks.fake_openai_server import Timing, serve_in_process
 from engine.dummy_model import write_dummy_model
 from engine.model_config import ModelConfig
 from engine.tiny import MODEL_CONFIG
 from gateway.text import Tokenizer
+from harness import http_stream
+from harness import loadgen as bench
+from harness.fake_openai_server import Timing, serve_in_process
 
 TTFT_S = 0.8
 GAP_S = 0.1
@@ -47,6 +51,7 @@ N_TOKENS = 8
 REL = 0.05
 GATEWAY_START_TIMEOUT_S = 120.0
 COMPARE_TIMEOUT_S = 180.0
+BENCH_TIMEOUT_S = 120.0
 CPU_ENV = {"OMP_NUM_THREADS": "1"}  # several processes share a few cores
 
 REQUIRED_KEYS = [
@@ -75,6 +80,26 @@ REQUIRED_KEYS = [
 
 
 # -- fake OpenAI server ------------------------------------------------------------
+
+
+def run_tool(
+    output: Path, *argv: str
+) -> tuple[dict[str, Any] | None, subprocess.CompletedProcess[str]]:
+    """``python -m benchmarks.bench_serving ARGV``, appending to ``output``: the
+    JSON record it appended (None if none) and the finished process."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_serving", *argv]
+    cmd += ["--output-file", str(output), "--disable-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    lines = output.read_text().splitlines() if output.exists() else []
+    assert len(lines) <= 1, lines
+    return (json.loads(lines[0]) if lines else None), proc
+
+
+def tool_record(output: Path, *argv: str) -> dict[str, Any]:
+    """The record of a run of the tool that must succeed."""
+    record, proc = run_tool(output, *argv)
+    assert proc.returncode == 0 and record is not None, f"{proc.stdout}\n{proc.stderr}"
+    return record
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +136,16 @@ def run_specs(
     "backend, client",
     [("openai-completions", "raw"), ("openai-chat", "raw"), ("openai-chat", "httpx")],
 )
-def test_metrics_match_known_timing(fake_server: str, backend: str, client: str) -> None:
+def test_metrics_match_known_timing(
+    fake_server: str, backend: str, client: str, tmp_path: Path
+) -> None:
     concurrency, n = 4, 16
-    r = bench.main(
-        ["--base-url", fake_server, "--backend", backend, "--num-prompts", str(n)]
-        + ["--http-client", client]
-        + ["--max-concurrency", str(concurrency), "--random-input-len", "8"]
-        + ["--random-output-len", str(N_TOKENS), "--no-output", "--disable-progress"]
-        + ["--warmup-requests", str(concurrency)]
+    r = tool_record(
+        tmp_path / "r.jsonl",
+        *["--base-url", fake_server, "--backend", backend, "--num-prompts", str(n)],
+        *["--http-client", client],
+        *["--max-concurrency", str(concurrency), "--random-input-len", "8"],
+        *["--random-output-len", str(N_TOKENS), "--warmup-requests", str(concurrency)],
     )
     assert r["model"] == "fake-model"
     assert r["client"] == {"http_client": client, "processes": 1}
@@ -423,14 +450,15 @@ def test_raw_client_refuses_https() -> None:
         http_stream.StreamClient("https://example.com", 1.0)
 
 
-def test_https_falls_back_to_httpx(capsys: pytest.CaptureFixture[str]) -> None:
+def test_https_falls_back_to_httpx(tmp_path: Path) -> None:
     # Nothing listens on port 1: every request fails at once, through httpx.
-    r = bench.main(
-        ["--base-url", "https://127.0.0.1:1", "--model", "m", "--num-prompts", "2"]
-        + ["--random-input-len", "4", "--random-output-len", "2", "--no-output"]
-        + ["--disable-progress", "--request-timeout-s", "5"]
+    r, proc = run_tool(
+        tmp_path / "r.jsonl",
+        *["--base-url", "https://127.0.0.1:1", "--model", "m", "--num-prompts", "2"],
+        *["--random-input-len", "4", "--random-output-len", "2", "--request-timeout-s", "5"],
     )
-    assert "using httpx" in capsys.readouterr().err
+    assert "using httpx" in proc.stderr
+    assert proc.returncode == 1 and r is not None, proc.stderr  # nothing completed
     assert r["client"] == {"http_client": "httpx", "processes": 1}
     assert (r["completed"], r["failed"]) == (0, 2)
 
@@ -478,15 +506,15 @@ def test_default_client_processes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.e2e
-def test_client_processes_merge_their_outcomes(fake_server: str) -> None:
+def test_client_processes_merge_their_outcomes(fake_server: str, tmp_path: Path) -> None:
     """Two client processes: the same metrics as one (known timing), every
     request once, in order."""
     concurrency, n = 4, 8
-    r = bench.main(
-        ["--base-url", fake_server, "--num-prompts", str(n), "--num-client-processes", "2"]
-        + ["--max-concurrency", str(concurrency), "--random-input-len", "8"]
-        + ["--random-output-len", str(N_TOKENS), "--no-output", "--disable-progress"]
-        + ["--warmup-requests", str(concurrency)]
+    r = tool_record(
+        tmp_path / "r.jsonl",
+        *["--base-url", fake_server, "--num-prompts", str(n), "--num-client-processes", "2"],
+        *["--max-concurrency", str(concurrency), "--random-input-len", "8"],
+        *["--random-output-len", str(N_TOKENS), "--warmup-requests", str(concurrency)],
     )
     assert r["client"] == {"http_client": "raw", "processes": 2}
     assert (r["completed"], r["failed"]) == (n, 0)
@@ -522,7 +550,10 @@ def test_arrival_gaps_inf_and_seed() -> None:
 
 
 def parse(*argv: str) -> Any:
-    return bench.build_parser().parse_args(list(argv))
+    """The workload flags (those of ``python -m benchmarks.bench_serving``)."""
+    ap = argparse.ArgumentParser()
+    bench.add_workload_args(ap)
+    return ap.parse_args(list(argv))
 
 
 def test_random_workload_bounds_and_seed() -> None:
@@ -541,12 +572,10 @@ def test_random_workload_bounds_and_seed() -> None:
 
     fixed = bench.sample_requests(parse("--random-input-len", "7", "--num-prompts", "20"))
     assert {s.prompt_len for s in fixed} == {7}
-    text = bench.sample_requests(parse("--random-input-len", "9", "--backend", "openai-chat"))
+    text = bench.sample_requests(parse("--random-input-len", "9"), chat=True)
     assert all(isinstance(s.prompt, str) and len(s.prompt.split()) == 9 for s in text)
     with pytest.raises(ValueError, match="token-id"):
-        bench.sample_requests(
-            parse("--backend", "openai-chat", "--random-prompt-kind", "token-ids")
-        )
+        bench.sample_requests(parse("--random-prompt-kind", "token-ids"), chat=True)
 
 
 @pytest.mark.parametrize("kind", ["token-ids", "text"])
@@ -593,16 +622,14 @@ def test_sharegpt_workload(tmp_path: Path) -> None:
     assert len(bench.sample_requests(parse(*argv[:-1], "1"))) == 1
 
 
-def test_sharegpt_missing_file_errors_clearly(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_sharegpt_missing_file_errors_clearly(tmp_path: Path) -> None:
     missing = tmp_path / "nope.json"
     with pytest.raises(FileNotFoundError, match="ShareGPT file not found"):
         bench.sample_requests(parse("--dataset-name", "sharegpt", "--dataset-path", str(missing)))
-    with pytest.raises(SystemExit) as exc:
-        bench.main(["--dataset-name", "sharegpt", "--dataset-path", str(missing), "--no-output"])
-    assert exc.value.code == 2
-    assert f"ShareGPT file not found: {missing}" in capsys.readouterr().err
+    out = tmp_path / "r.jsonl"
+    r, proc = run_tool(out, "--dataset-name", "sharegpt", "--dataset-path", str(missing))
+    assert (proc.returncode, r) == (2, None)
+    assert f"ShareGPT file not found: {missing}" in proc.stderr
 
 
 # -- dummy model ---------------------------------------------------------------------
@@ -648,18 +675,16 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
 @pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
 def test_against_the_gateway(gateway: tuple[str, Path], backend: str, tmp_path: Path) -> None:
     url, log_path = gateway
-    out, plot = tmp_path / "x.jsonl", tmp_path / "x.png"
+    plot = tmp_path / "x.png"
     argv = ["--base-url", url, "--backend", backend, "--num-prompts", "8"]
     argv += ["--random-input-len", "32", "--random-output-len", "8", "--ignore-eos"]
     argv += ["--request-rate", "inf", "--max-concurrency", "4", "--warmup-requests", "2"]
-    argv += ["--output-file", str(out), "--plot", str(plot), "--label", "ci"]
+    argv += ["--plot", str(plot), "--label", "ci"]
     argv += ["--metadata", "deployment=embedded", "note=a=b"]
     try:
-        returned = bench.main(argv)
-        lines = out.read_text().splitlines()
-        assert len(lines) == 1
-        r = json.loads(lines[0])
-        assert r == json.loads(json.dumps(returned))
+        r, proc = run_tool(tmp_path / "x.jsonl", *argv)
+        assert proc.returncode == 0 and r is not None, f"{proc.stdout}\n{proc.stderr}"
+        assert "Serving Benchmark Result" in proc.stdout
         assert not [k for k in REQUIRED_KEYS if k not in r]
         assert (r["completed"], r["failed"]) == (8, 0), r["errors"]
         assert r["total_output_tokens"] == 8 * 8
@@ -668,7 +693,7 @@ def test_against_the_gateway(gateway: tuple[str, Path], backend: str, tmp_path: 
         assert r["metadata"] == {"deployment": "embedded", "note": "a=b"}
         assert r["workload"]["dataset_name"] == "random"
         assert r["workload"]["num_prompts"] == 8
-        assert r["command"].startswith("bench_serving.py --base-url")
+        assert r["command"].startswith("python -m benchmarks.bench_serving --base-url")
         assert r["machine"]["python"]
         for key in REQUIRED_KEYS:
             if key.endswith("_ms") or key.endswith("throughput"):
@@ -682,18 +707,6 @@ def test_against_the_gateway(gateway: tuple[str, Path], backend: str, tmp_path: 
 # -- compare_pd ------------------------------------------------------------------------
 
 
-def test_comparison_table_lists_both_deployments() -> None:
-    rec = {key: 1.5 for _, key in compare_pd.ROWS} | {"request_goodput": None}
-    table = compare_pd.comparison_table({"pd": rec, "colocated": {**rec, "completed": 4}})
-    header, rule, *rows = table.splitlines()
-    assert header.split() == ["disaggregated", "colocated"]
-    assert len(rows) == len(compare_pd.ROWS)
-    assert any(
-        row.startswith("Mean TTFT (ms)") and row.split()[-2:] == ["1.50", "1.50"] for row in rows
-    )
-    assert any(row.startswith("Successful requests") and row.split()[-1] == "4" for row in rows)
-
-
 @pytest.mark.e2e
 def test_compare_pd_smoke(tmp_path: Path) -> None:
     """Both deployments on a tiny-shaped dummy model (config.json + synthetic
@@ -703,12 +716,7 @@ def test_compare_pd_smoke(tmp_path: Path) -> None:
     cfg_path = tmp_path / f"{marker}.json"
     cfg_path.write_text(json.dumps({**MODEL_CONFIG, "vocab_size": 1000}))
     out = tmp_path / "pd.jsonl"
-    cmd = [
-        sys.executable,
-        str(REPO / "benchmarks" / "compare_pd.py"),
-        "--dummy-preset",
-        str(cfg_path),
-    ]
+    cmd = [sys.executable, "-m", "benchmarks.compare_pd", "--dummy-preset", str(cfg_path)]
     cmd += ["--prefill-device", "cpu", "--decode-device", "cpu", "--colocated-device", "cpu"]
     cmd += ["--transfer-backend", "tcp", "--output-file", str(out), "--"]
     cmd += ["--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4"]
@@ -717,7 +725,7 @@ def test_compare_pd_smoke(tmp_path: Path) -> None:
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        cwd=tmp_path,
+        cwd=REPO,
         env={**os.environ, **CPU_ENV},
         text=True,
     )
@@ -743,4 +751,5 @@ def test_compare_pd_smoke(tmp_path: Path) -> None:
     assert header, output[-3000:]
     rows = {line[:34].strip(): line[34:].split() for line in lines[header[-1] + 2 :]}
     assert rows["Successful requests"] == ["4", "4"]
+    assert rows["Failed requests"] == ["0", "0"]
     assert len(rows["Mean TTFT (ms)"]) == len(rows["Output token throughput (tok/s)"]) == 2

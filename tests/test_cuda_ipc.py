@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 
-from benchmarks.agent_process import AgentProcess
+from harness.agent_process import AgentProcess
 from kvtransfer import cuda_ipc
 from kvtransfer.backend import ByteRange, TransferState
 from kvtransfer.layout import page_ranges

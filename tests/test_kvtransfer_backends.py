@@ -17,8 +17,8 @@ import msgspec
 import pytest
 import torch
 
-from benchmarks.agent_process import AgentProcess
 from engine.kvcache.pool import KVPool, KVPoolConfig
+from harness.agent_process import AgentProcess
 from kvtransfer import TRANSFER_BACKENDS, backend_class, make_backend
 from kvtransfer.backend import ByteRange, TransferError, TransferState
 from kvtransfer.layout import buffer_nbytes, check_ranges, page_ranges, total_bytes

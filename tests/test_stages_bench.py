@@ -1,6 +1,7 @@
-"""``benchmarks/bench_ttft_stages.py``: its /metrics arithmetic against numbers
-written by hand, and a smoke run that starts both deployments itself (tiny
-model, CPU) and leaves no process behind."""
+"""``python -m benchmarks.bench_ttft_stages``: the /metrics arithmetic it uses
+(``harness.stages``) against numbers written by hand, and a smoke run that
+starts both deployments itself (tiny model, CPU), skips a case longer than the
+context and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from pathlib import Path
 import pytest
 from workers import REPO, procs_mentioning
 
-from benchmarks import bench_ttft_stages as bench
+from harness.stages import stage_means_ms, stage_totals
 
 SMOKE_TIMEOUT_S = 240.0
+TOO_LONG = 1_000_000
+"""A prompt length beyond any context here: its case is skipped."""
 
 METRICS_BEFORE = """\
 # TYPE gateway_stage_seconds histogram
@@ -40,9 +43,7 @@ gateway_worker_stage_seconds_count{role="decode",stage="first_forward"} 10
 
 
 def test_stage_means_between_snapshots() -> None:
-    means = bench.stage_means_ms(
-        bench.stage_totals(METRICS_BEFORE), bench.stage_totals(METRICS_AFTER)
-    )
+    means = stage_means_ms(stage_totals(METRICS_BEFORE), stage_totals(METRICS_AFTER))
     # (0.506 - 0.5) / 2 s = 3 ms; route is new (2 ms each); decode's count moved by 10.
     assert means == pytest.approx(
         {
@@ -54,37 +55,19 @@ def test_stage_means_between_snapshots() -> None:
     )
 
 
-def test_cases_skip_what_the_context_cannot_hold(capsys: pytest.CaptureFixture[str]) -> None:
-    args = bench.build_parser().parse_args(
-        [
-            "--lengths",
-            "16",
-            "100",
-            "--cached-prefix",
-            "90",
-            "--cached-new",
-            "8",
-            "--max-tokens",
-            "2",
-        ]
-    )
-    assert [c.name for c in bench.cases(args, 100)] == ["16 tokens", "90 cached + 8"]
-    assert "skipping 100 tokens" in capsys.readouterr().err
-
-
 @pytest.mark.e2e
 def test_deploys_colocated_and_disaggregated(tmp_path: Path) -> None:
     marker = f"ttft-smoke-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "record.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_ttft_stages.py")]
+    cmd = [sys.executable, "-m", "benchmarks.bench_ttft_stages"]
     cmd += ["--deploy", "colocated", "disagg", "--device", "cpu", "--transfer-backend", "tcp"]
-    cmd += ["--lengths", "16", "40", "--cached-prefix", "32", "--cached-new", "8"]
+    cmd += ["--lengths", "16", "40", str(TOO_LONG), "--cached-prefix", "32", "--cached-new", "8"]
     cmd += ["--requests", "2", "--gap-s", "0", "--label", marker, "--output-file", str(out)]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        cwd=tmp_path,
+        cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         text=True,
     )
@@ -118,3 +101,4 @@ def test_deploys_colocated_and_disaggregated(tmp_path: Path) -> None:
         assert 0 < inner <= r["ttft_ms_max"], r
         assert r["ttft_ms_min"] <= r["ttft_ms_median"] <= r["ttft_ms_max"]
     assert output.count("TTFT p50") == 2
+    assert output.count(f"skipping {TOO_LONG} tokens: longer than the context") == 2

@@ -8,7 +8,7 @@ time, or the host's launch time where that is longer), and once more under
 The two samplers' token ids are compared on the same logits (they should be
 equal)::
 
-    python benchmarks/bench_sampling.py --batch-sizes 1 64 256 --vocab 128256
+    python -m benchmarks.kernels.bench_sampling --batch-sizes 1 64 256 --vocab 128256
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import host_info, write_record  # noqa: E402
-from engine.sampling import SampleOutput, SamplingBatch, sample, sample_torch  # noqa: E402
-from protocol.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import write_record
+from engine.sampling import SampleOutput, SamplingBatch, sample, sample_torch
+from harness.host import host_info
+from protocol.sampling import SamplingParams
 
 CASES: dict[str, list[SamplingParams]] = {
     "greedy": [SamplingParams(temperature=0.0)],
@@ -94,7 +92,9 @@ def profile_call(fn: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> dic
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.kernels.bench_sampling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--device", default="cuda:0", help="CUDA device (default: %(default)s)")
     ap.add_argument(
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                 if same < 1.0:
                     print(f"{b:>6} {case:>17} token ids agree on {same:.1%} of rows")
     write_record(
-        "bench_sampling",
+        "benchmarks.kernels.bench_sampling",
         argv if argv is not None else sys.argv[1:],
         {"shape": vars(args), "rows": rows_out},
         args.output_file,

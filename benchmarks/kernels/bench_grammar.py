@@ -5,7 +5,7 @@ of them under a JSON schema (the rest unchanged). Reported: the mean and
 median host-inclusive time of an overlapped decode step while the whole batch
 decodes, and the ratio of the two runs::
 
-    python benchmarks/bench_grammar.py --model llama-3.1-8b --device cuda:0 \
+    python -m benchmarks.kernels.bench_grammar --model llama-3.1-8b --device cuda:0 \
         --batch-size 64 --json-schema-fraction 0.5 --input-len 512 --decode-steps 64 \
         --kv-cache-memory-gb 40 --cuda-graph-max-bs 64
 
@@ -31,7 +31,8 @@ grammar rows under the schema over a synthetic vocabulary of ``--vocab-size``
 (each row takes an allowed token of its mask per step), the same host parts
 per step, on the CPU or on ``--device``::
 
-    python benchmarks/bench_grammar.py --mask-only --batch-size 64 --json-schema-fraction 0.5
+    python -m benchmarks.kernels.bench_grammar --mask-only --batch-size 64 \
+        --json-schema-fraction 0.5
 """
 
 from __future__ import annotations
@@ -41,22 +42,21 @@ import functools
 import json
 import random
 import statistics
-import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_record
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.grammar import GrammarBackend
+from engine.runner import ForwardOutput
+from harness.host import host_info
+from protocol.sampling import GrammarSpec, SamplingParams
 
-from benchmarks.common import git_commit, host_info, write_record  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.grammar import GrammarBackend  # noqa: E402
-from engine.runner import ForwardOutput  # noqa: E402
-from protocol.sampling import GrammarSpec, SamplingParams  # noqa: E402
+TOOL = "benchmarks.kernels.bench_grammar"
 
 
 def schema(min_items: int) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def describe(name: str, result: dict) -> str:
     return line
 
 
-def mask_only(args: argparse.Namespace) -> None:
+def mask_only(args: argparse.Namespace, argv: list[str] | None) -> None:
     """Host ms per step of the grammar mask of a batch, without a model."""
     import numpy as np
     import xgrammar as xgr
@@ -320,14 +320,22 @@ def mask_only(args: argparse.Namespace) -> None:
         + ", ".join(f"{k} {med[k]:.3f}" for k in keys)
         + f"; total {sum(med.values()):.3f}"
     )
+    write_record(TOOL, argv, body, args.output_file, "grammar-mask", machine_info(args.device))
+
+
+def machine_info(device: str) -> dict[str, Any]:
     machine = host_info()
-    if args.device.startswith("cuda"):
-        machine["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
-    write_record("bench_grammar", sys.argv[1:], body, args.output_file, "grammar-mask", machine)
+    if device.startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return machine
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {TOOL}",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--model", default=None, help="checkpoint dir or preset (default: tiny)")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir for the grammar")
     ap.add_argument("--device", default="cpu", help="cpu or cuda:N")
@@ -369,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.mask_only:
-        mask_only(args)
+        mask_only(args, argv)
         return
     model = args.model
     if model is None:
@@ -400,11 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     free = run(engine, args, 0, spec, clock, backend)
     constrained = run(engine, args, n_grammar, spec, clock, backend)
     ratio = constrained["step_ms_mean"] / free["step_ms_mean"]
-    record = {
-        "benchmark": "bench_grammar",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "argv": sys.argv[1:],
+    body = {
         "model": args.model or "tiny",
         "tokenizer": tokenizer,
         "batch_size": args.batch_size,
@@ -414,10 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         "free": free,
         "json_schema": constrained,
         "step_time_ratio": ratio,
-        "machine": host_info(),
     }
-    if args.device.startswith("cuda"):
-        record["machine"]["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     print(
         f"batch {args.batch_size}: free {free['step_ms_mean']:.2f} ms/step, "
         f"{n_grammar} rows with a json_schema {constrained['step_ms_mean']:.2f} ms/step "
@@ -425,13 +426,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(describe("free", free))
     print(describe("json_schema", constrained))
-    out = args.output_file or str(
-        Path(__file__).resolve().parent
-        / "results"
-        / f"grammar-{Path(str(args.model or 'tiny')).name}-{datetime.now(UTC):%Y%m%d-%H%M%S}.json"
-    )
-    Path(out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    stem = f"grammar-{Path(str(args.model or 'tiny')).name}"
+    write_record(TOOL, argv, body, args.output_file, stem, machine_info(args.device))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """One-row and few-row products (small-batch decode) on CUDA: cuBLAS against
 the GEMV kernels and the few-row kernel.
 
-    python benchmarks/bench_gemv.py --model llama-3.1-8b
-    python benchmarks/bench_gemv.py --model llama-3.1-8b --sweep     # search the tiles
-    python benchmarks/bench_gemv.py --model llama-3.1-8b --rows 2 8 16 32 64 \
+    python -m benchmarks.kernels.bench_gemv --model llama-3.1-8b
+    python -m benchmarks.kernels.bench_gemv --model llama-3.1-8b --sweep     # search the tiles
+    python -m benchmarks.kernels.bench_gemv --model llama-3.1-8b --rows 2 8 16 32 64 \
         --rows-sweep 8 32 64                          # few rows, tiles searched at 8/32/64
 
 For each weight of the model's decoder layer (QKV, o, gate/up, down) and its
@@ -23,25 +23,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_record
+from engine.layers import gemv, skinny
+from engine.model_config import ModelConfig
+from engine.presets import PRESETS
+from harness.host import host_info
 
-from benchmarks.common import git_commit, host_info  # noqa: E402
-from engine.layers import gemv, skinny  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.presets import PRESETS  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 L2_BYTES = 400e6
 """Weights rotated per timed call: more than the H200's 50 MB L2, many times over."""
 
@@ -193,7 +189,9 @@ def bench_rows(name: str, n: int, k: int, m: int, args: argparse.Namespace) -> d
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.kernels.bench_gemv",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -291,23 +289,14 @@ def main(argv: list[str] | None = None) -> None:
                 else ""
             )
         )
-    now = datetime.now(UTC)
-    record = {
-        "benchmark": "bench_gemv",
-        "date": now.isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "git_commit": git_commit(),
-        "machine": {**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
-        "model": args.model,
-        "rows": rows,
-        "few_rows": many,
-    }
-    out = (
-        args.output_file or RESULTS_DIR / f"gemv-{args.model}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    write_record(
+        "benchmarks.kernels.bench_gemv",
+        argv,
+        {"model": args.model, "rows": rows, "few_rows": many},
+        args.output_file,
+        f"gemv-{args.model}",
+        machine={**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

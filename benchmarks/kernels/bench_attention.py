@@ -11,11 +11,11 @@ layout within a page (``NHD``: the pool's, ``HND``: heads outermost). Reports
 GPU ms per step and the KV read rate, so that the kernel and split the engine
 uses can be set from a measurement::
 
-    python benchmarks/bench_attention.py --batch-sizes 1 2 4 8 16 32 64 128 256 \\
+    python -m benchmarks.kernels.bench_attention --batch-sizes 1 2 4 8 16 32 64 128 256 \\
         --context-lens 1024 4096
-    python benchmarks/bench_attention.py --batch-sizes 64 256 --variants \\
+    python -m benchmarks.kernels.bench_attention --batch-sizes 64 256 --variants \\
         fa2:auto:NHD fa2:none:NHD fa3:auto:NHD cuda-core:auto:NHD fa2:auto:HND
-    python benchmarks/bench_attention.py --batch-sizes 256 --pool-layers 32 \\
+    python -m benchmarks.kernels.bench_attention --batch-sizes 256 --pool-layers 32 \\
         --between-gemm 28672 4096     # the calls between compute-bound products
 """
 
@@ -25,14 +25,12 @@ import argparse
 import statistics
 import sys
 import traceback
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import host_info, write_record  # noqa: E402
+from benchmarks.common import write_record
+from harness.host import host_info
 
 KERNELS = ("cuda-core", "fa2", "fa3")
 LAYOUTS = ("NHD", "HND")
@@ -189,7 +187,9 @@ def time_kernel(
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.kernels.bench_attention",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--device", default="cuda:0", help="CUDA device (default: %(default)s)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 sys.stdout.flush()
     write_record(
-        "bench_attention",
+        "benchmarks.kernels.bench_attention",
         argv if argv is not None else sys.argv[1:],
         {"shape": {**vars(args), "variants": [str(v) for v in args.variants]}, "rows": rows},
         args.output_file,

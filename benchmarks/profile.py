@@ -1,0 +1,500 @@
+"""Where the engine's decode time goes on CUDA, two ways:
+
+    python -m benchmarks.profile step --model llama-3.1-8b --device cuda:0 \\
+        --batch-sizes 1 64 256 --context-len 1024 --cuda-graph-max-bs 256
+    python -m benchmarks.profile loop --model llama-3.1-8b --device cuda:0 \\
+        --batch-sizes 1 64 256 --context-len 1024
+
+``step``: one decode step taken apart, for each batch size (every request at
+``--context-len`` tokens of random KV):
+
+- an eager forward under torch.profiler: the CUDA kernels launched and their
+  GPU time by category (gemm, attention, norm/rope/act/kv-append, other);
+- the step as the runner runs it (a CUDA graph when the size is captured):
+  GPU time of the forward and of sampling (CUDA events), the host's time to
+  queue the step (build the batch, plan, launch) and the step's wall time with
+  a sync;
+- sampling alone, GPU ms per set of sampling parameters.
+
+``loop``: the engine's own overlap loop (``Engine.overlap_step``) with ``b``
+greedy requests of ``--context-len``-token prompts, once they all decode:
+
+- the loop's wall time per step;
+- from a torch.profiler trace of a few steps: the fraction of the time the
+  device was busy, the idle gaps per step and the largest gaps with the
+  kernels on either side (what the device waited for);
+- the graph replay alone, timed on the device with the host far ahead of it
+  (no host time in it), its kernel count and its heaviest kernels;
+- a cProfile of the host side of the loop (``--trace-dir``: text files, and
+  chrome traces of the first two batch sizes).
+
+``--model`` is a preset (dummy weights) or a checkpoint directory. Each writes
+a JSON record to ``--output-file`` (default: ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_record
+from engine.config import EngineConfig
+from engine.engine import Engine, InFlight
+from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.runner import ModelRunner
+from engine.sampling import SamplingBatch, sample
+from harness.host import host_info
+from protocol.sampling import SamplingParams
+
+TOOL = "benchmarks.profile"
+CUDA = torch.autograd.DeviceType.CUDA
+CATEGORIES = {
+    "gemm": ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk"),
+    "attention": ("batchdecode", "batchprefill", "attention", "mergestate", "variablelength"),
+    "norm/rope/act/kv": ("norm", "rope", "rotary", "silu", "act_and_mul", "append", "paged_kv"),
+}
+"""Category -> lower-case fragments of kernel names; anything else is "other"."""
+SAMPLING_CASES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=0.8),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.9),
+    "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    "flat_top_p": SamplingParams(temperature=3.0, top_p=0.95),
+}
+"""Sampling parameter sets timed on their own (every row of the batch alike)."""
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    for cat, fragments in CATEGORIES.items():
+        if any(f in name for f in fragments):
+            return cat
+    return "other"
+
+
+def make_engine(args: argparse.Namespace) -> Engine:
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            load_format="auto" if Path(args.model).exists() else "dummy",
+            device=args.device,
+            page_size=args.page_size,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            max_running_requests=args.max_running_requests or max(256, *args.batch_sizes),
+            **({"dtype": args.dtype} if args.dtype else {}),
+            **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
+        )
+    )
+    engine.runner.pool.kv.normal_()  # timing on zeros can flatter the kernels
+    return engine
+
+
+def machine() -> dict[str, Any]:
+    return {**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+
+
+# -- step: one decode step taken apart --------------------------------------------------
+
+
+def decode_batch(runner: ModelRunner, batch_size: int, context_len: int) -> tuple[Any, list]:
+    ps = runner.pool.page_size
+    tables = []
+    for _ in range(batch_size):
+        pages = runner.pool.allocator.alloc(-(-(context_len + 1) // ps))
+        if pages is None:
+            raise SystemExit(
+                f"KV pool too small for batch {batch_size}; raise --kv-cache-memory-gb"
+            )
+        tables.append(pages)
+    vocab = runner.model_config.vocab_size
+    specs = [ExtendSpec([(7 * i + 3) % vocab], context_len, t) for i, t in enumerate(tables)]
+    return specs, tables
+
+
+def profile_eager(runner: ModelRunner, specs: list) -> dict[str, Any]:
+    """Kernels and GPU time by category of one eager forward (no CUDA graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def eager() -> torch.Tensor:
+        batch = build_forward_batch(specs, runner.pool.page_size, runner.device)
+        runner.attn.begin_forward(batch)
+        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
+        return runner.model.compute_logits(hidden[batch.logits_indices])
+
+    with torch.inference_mode():
+        eager()
+        torch.cuda.synchronize(runner.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eager()
+            torch.cuda.synchronize(runner.device)
+    by_cat: dict[str, float] = defaultdict(float)
+    kernels = 0
+    for e in prof.events():
+        if e.device_type != CUDA:
+            continue
+        name = e.name.lower()
+        if name.startswith(("memcpy", "memset")):
+            continue
+        kernels += 1
+        by_cat[category(e.name)] += e.device_time_total / 1e3
+    return {"kernels": kernels, "gpu_ms_by_category": dict(by_cat)}
+
+
+def time_steps(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]:
+    """The step as the engine runs it: forward (graph if captured) then sampling."""
+    vocab = runner.model_config.vocab_size
+    params = [
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(len(specs))
+    ]
+    fwd_ms, sample_ms, host_ms, wall_ms = [], [], [], []
+    dev = runner.device
+    with torch.inference_mode():
+        for step in range(steps + 3):
+            torch.cuda.synchronize(dev)
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            t0 = time.perf_counter()
+            batch = build_forward_batch(specs, runner.pool.page_size, dev)
+            sampling = SamplingBatch.build(
+                params, list(range(len(specs))), [step] * len(specs), vocab, dev
+            )
+            e0.record()
+            logits = runner.forward_logits(batch)
+            e1.record()
+            out = sample(logits, sampling)
+            e2.record()
+            t1 = time.perf_counter()
+            out.token_ids.tolist()
+            t2 = time.perf_counter()
+            if step >= 3:
+                fwd_ms.append(e0.elapsed_time(e1))
+                sample_ms.append(e1.elapsed_time(e2))
+                host_ms.append((t1 - t0) * 1e3)
+                wall_ms.append((t2 - t0) * 1e3)
+    med = statistics.median
+    return {
+        "forward_gpu_ms": med(fwd_ms),
+        "sampling_gpu_ms": med(sample_ms),
+        "host_enqueue_ms": med(host_ms),
+        "step_wall_ms": med(wall_ms),
+    }
+
+
+def time_sampling(runner: ModelRunner, batch_size: int, reps: int = 20) -> dict[str, float]:
+    """GPU ms of ``sample`` on logits shaped like the model's, per parameter set."""
+    vocab = runner.model_config.vocab_size
+    dev = runner.device
+    gen = torch.Generator(device=dev).manual_seed(batch_size)
+    # Peaked like a language model's: a few large logits over a long tail.
+    logits = torch.randn(batch_size, vocab, device=dev, generator=gen) * 3.0
+    out: dict[str, float] = {}
+    for name, p in SAMPLING_CASES.items():
+        times = []
+        for step in range(reps + 3):
+            sampling = SamplingBatch.build(
+                [p] * batch_size, list(range(batch_size)), [step] * batch_size, vocab, dev
+            )
+            torch.cuda.synchronize(dev)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # Keep the device busy while the host queues the sampling kernels, so
+            # the events time the device's work, not the host's launches.
+            torch.cuda._sleep(5_000_000)
+            e0.record()
+            sample(logits, sampling)
+            e1.record()
+            torch.cuda.synchronize(dev)
+            if step >= 3:
+                times.append(e0.elapsed_time(e1))
+        out[name] = statistics.median(times)
+    return out
+
+
+def profile_step(engine: Engine, b: int, args: argparse.Namespace) -> dict[str, Any]:
+    runner = engine.runner
+    specs, tables = decode_batch(runner, b, args.context_len)
+    row: dict[str, Any] = {"batch_size": b, "context_len": args.context_len}
+    row.update(profile_eager(runner, specs))
+    row.update(time_steps(runner, specs, args.steps))
+    row["sampling_ms_by_params"] = time_sampling(runner, b)
+    row["graph"] = runner.graphs is not None and runner.graphs.can_run(
+        build_forward_batch(specs, runner.pool.page_size, runner.device)
+    )
+    for t in tables:
+        runner.pool.allocator.free(t)
+    print(f"batch {b}: sampling ms by params {row['sampling_ms_by_params']}")
+    return row
+
+
+def print_steps(rows: list[dict[str, Any]]) -> None:
+    cats = [*CATEGORIES, "other"]
+    head = f"{'batch':>5} {'kernels':>7} " + " ".join(f"{c:>16}" for c in cats)
+    head += f" {'fwd GPU ms':>10} {'sample ms':>9} {'host ms':>8} {'wall ms':>8} graph"
+    print(head)
+    for r in rows:
+        cat_ms = " ".join(f"{r['gpu_ms_by_category'].get(c, 0.0):>16.3f}" for c in cats)
+        print(
+            f"{r['batch_size']:>5} {r['kernels']:>7} {cat_ms} {r['forward_gpu_ms']:>10.3f} "
+            f"{r['sampling_gpu_ms']:>9.3f} {r['host_enqueue_ms']:>8.3f} {r['step_wall_ms']:>8.3f} "
+            f"{r['graph']!s:>5}"
+        )
+
+
+def run_step(args: argparse.Namespace, argv: list[str] | None) -> None:
+    engine = make_engine(args)
+    cfg = engine.config
+    rows = [profile_step(engine, b, args) for b in args.batch_sizes]
+    print(
+        f"model={args.model} attention={cfg.attention_backend} graphs<= {cfg.cuda_graph_max_bs} "
+        f"context={args.context_len}"
+    )
+    print_steps(rows)
+    body = {
+        "model": args.model,
+        "attention_backend": cfg.attention_backend,
+        "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
+        "results": rows,
+    }
+    stem = f"profile-step-{Path(args.model).name}"
+    write_record(TOOL, argv, body, args.output_file, stem, machine())
+
+
+# -- loop: the engine's overlap loop -----------------------------------------------------
+
+
+@contextmanager
+def decoding(engine: Engine, b: int, context_len: int) -> Iterator[list[InFlight | None]]:
+    """``b`` greedy requests of ``context_len`` random tokens, run until every
+    one has decoded a few tokens; yields a one-item list holding the loop's
+    in-flight step (the caller keeps it current), then finishes that step and
+    aborts the requests."""
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(b)
+    # Long enough that no request finishes before the timed steps end; aborted after.
+    max_tokens = engine.context_length - context_len - 1
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rids = [f"loop-{b}-{i}" for i in range(b)]
+    for rid in rids:
+        prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+        engine.add_request(rid, prompt, params)
+    produced: dict[str, int] = defaultdict(int)
+    inflight = None
+    while min((produced[r] for r in rids), default=0) < 8:
+        inflight, results = engine.overlap_step(inflight)
+        for r in results:
+            produced[r.rid] += 1
+    torch.cuda.synchronize()
+    holder = [inflight]
+    try:
+        yield holder
+    finally:
+        if holder[0] is not None:
+            engine.finish(holder[0])
+        for rid in rids:
+            engine.abort(rid)
+
+
+def run_steps(engine: Engine, inflight: InFlight | None, n: int) -> InFlight | None:
+    for _ in range(n):
+        inflight, _ = engine.overlap_step(inflight)
+    return inflight
+
+
+def gaps_of(prof: Any, steps: int) -> dict[str, Any]:
+    """Busy fraction and idle gaps (µs, with neighbouring kernels) of a trace."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == CUDA
+    )
+    gaps: list[tuple[float, str, str]] = []
+    busy = 0.0
+    cur_start, cur_end, prev = kernels[0]
+    for start, end, name in kernels[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, prev[:60], name[:60]))
+            cur_start = start
+        cur_end = max(cur_end, end)
+        prev = name
+    busy += cur_end - cur_start
+    window = kernels[-1][1] - kernels[0][0]
+    gaps.sort(reverse=True)
+    return {
+        "trace_busy_frac": busy / window,
+        "trace_window_ms_per_step": window / steps / 1e3,
+        "gap_sum_ms_per_step": sum(g[0] for g in gaps) / steps / 1e3,
+        "num_gaps_gt10us": sum(1 for g in gaps if g[0] > 10),
+        "top_gaps": [g for g in gaps if g[0] > 10][:15],
+    }
+
+
+def replay_alone(engine: Engine, batch_size: int) -> dict[str, Any]:
+    """GPU time of one graph replay of the size that serves ``batch_size``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    assert graphs is not None, "needs CUDA graphs"
+    size = next(s for s in graphs.sizes if s >= batch_size)
+    graph = graphs.graphs[(size, 0)]
+    times = []
+    for i in range(20):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(3_000_000)  # the host gets far ahead: no host time below
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(e0.elapsed_time(e1))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    spans = []
+    for e in prof.events():
+        if e.device_type == CUDA:
+            by_name[e.name[:90]][0] += 1
+            by_name[e.name[:90]][1] += e.device_time_total / 1e3
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    return {
+        "replay_gpu_ms": statistics.median(times),
+        "replay_graph_size": size,
+        "replay_kernels": len(spans),
+        "replay_kernel_sum_ms": sum(e - s for s, e in spans) / 1e3,
+        "replay_span_ms": (spans[-1][1] - spans[0][0]) / 1e3,
+        "replay_top_kernels": sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25],
+    }
+
+
+def profile_loop(engine: Engine, b: int, args: argparse.Namespace) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with decoding(engine, b, args.context_len) as inflight:
+        t0 = time.perf_counter()
+        inflight[0] = run_steps(engine, inflight[0], args.steps)
+        torch.cuda.synchronize()
+        row: dict[str, Any] = {"loop_wall_ms": (time.perf_counter() - t0) / args.steps * 1e3}
+        host = cProfile.Profile()
+        host.enable()
+        inflight[0] = run_steps(engine, inflight[0], args.steps)
+        host.disable()
+        trace_steps = 6
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            inflight[0] = run_steps(engine, inflight[0], trace_steps)
+            torch.cuda.synchronize()
+    if args.trace_dir:
+        out = Path(args.trace_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(45)
+        (out / f"cprofile-b{b}.txt").write_text(text.getvalue())
+        if b in args.batch_sizes[:2]:
+            prof.export_chrome_trace(str(out / f"trace-b{b}.json"))
+    row.update(gaps_of(prof, trace_steps))
+    row.update(replay_alone(engine, b))
+    return row
+
+
+def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
+    engine = make_engine(args)
+    results = {}
+    for b in args.batch_sizes:
+        row = profile_loop(engine, b, args)
+        results[b] = row
+        brief = {k: v for k, v in row.items() if k not in ("top_gaps", "replay_top_kernels")}
+        print(b, json.dumps(brief), flush=True)
+    body = {"model": args.model, "results": results}
+    stem = f"profile-loop-{Path(args.model).name}"
+    write_record(TOOL, argv, body, args.output_file, stem, machine())
+
+
+# -- command line ---------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {TOOL}",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    modes = ap.add_subparsers(dest="mode", required=True, metavar="{step,loop}")
+    step = modes.add_parser("step", help="one decode step taken apart")
+    loop = modes.add_parser("loop", help="the engine's overlap loop")
+    for p, batch_sizes, steps, kv_gb, graph_bs in (
+        (step, [1, 64], 20, 40.0, None),
+        (loop, [1, 64, 256], 50, 60.0, 256),
+    ):
+        p.add_argument(
+            "--model",
+            default="llama-3.1-8b",
+            help="preset (dummy weights) or checkpoint dir (default: %(default)s)",
+        )
+        p.add_argument("--device", default="cuda:0", help="CUDA device (default: %(default)s)")
+        p.add_argument(
+            "--batch-sizes",
+            type=int,
+            nargs="+",
+            default=batch_sizes,
+            help="decode batch sizes (default: %(default)s)",
+        )
+        p.add_argument(
+            "--context-len",
+            type=int,
+            default=1024,
+            help="KV (prompt) length of every request (default: %(default)s)",
+        )
+        p.add_argument(
+            "--steps", type=int, default=steps, help="timed steps (default: %(default)s)"
+        )
+        p.add_argument(
+            "--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)"
+        )
+        p.add_argument(
+            "--kv-cache-memory-gb", type=float, default=kv_gb, help="KV pool (default: %(default)s)"
+        )
+        p.add_argument(
+            "--cuda-graph-max-bs",
+            type=int,
+            default=graph_bs,
+            help="largest graph-captured batch (default: %(default)s; None: the engine's auto)",
+        )
+        p.add_argument(
+            "--max-running-requests",
+            type=int,
+            default=None,
+            help="engine setting (bounds auto graph sizes; default: 256 or the largest batch)",
+        )
+        p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
+    step.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
+    step.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="auto, flashinfer or torch_native (default: %(default)s)",
+    )
+    loop.set_defaults(dtype=None, attention_backend=None)
+    loop.add_argument("--trace-dir", default=None, help="write host profiles and chrome traces")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    {"step": run_step, "loop": run_loop}[args.mode](args, argv)
+
+
+if __name__ == "__main__":
+    main()
