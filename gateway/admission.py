@@ -22,18 +22,37 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from protocol.settings import setting
+
+ADMISSION_GROUP = "admission control"
+
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_concurrent_requests: int = 0
-    """Generation requests running at once; 0: no limit."""
-    max_queued_tokens: int = 0
-    """Prompt plus max_tokens of the requests waiting for a slot; 0: no queue
-    (a request that finds no slot is refused at once) when a limit is set."""
-    max_queue_wait_s: float = 30.0
-    """How long a queued request waits for a slot before it is refused."""
-    retry_after_s: float = 1.0
-    """The smallest Retry-After given to a refused request."""
+    max_concurrent_requests: int = setting(
+        0,
+        help="generation requests running at once; more wait in a bounded queue or get 429; "
+        "0: no limit (default: %(default)s)",
+        group=ADMISSION_GROUP,
+    )
+    max_queued_tokens: int = setting(
+        0,
+        help="prompt plus max_tokens of the requests waiting for a slot; beyond it, 429 with "
+        "Retry-After; 0: no queue when a limit is set, a request that finds no slot is "
+        "refused at once (default: %(default)s)",
+        group=ADMISSION_GROUP,
+    )
+    max_queue_wait_s: float = setting(
+        30.0,
+        help="a queued request waits this long for a slot, then gets 429 (default: %(default)s)",
+        group=ADMISSION_GROUP,
+    )
+    retry_after_s: float = setting(
+        1.0,
+        help="the smallest Retry-After, in seconds, given to a refused request "
+        "(default: %(default)s)",
+        group=ADMISSION_GROUP,
+    )
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 0 or self.max_queued_tokens < 0:

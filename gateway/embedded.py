@@ -3,7 +3,6 @@ prefill and one local decode worker and stops them when it stops."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
@@ -13,7 +12,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from worker.config import CLUSTER_TOKEN_ENV, WorkerConfig, flags
+from protocol import settings
+from protocol.settings import CLUSTER_TOKEN_ENV, Flag, setting
+from worker.config import WorkerConfig
 from worker.processes import free_port, stop_processes, wait_http_ok
 
 log = logging.getLogger("gateway")
@@ -41,25 +42,53 @@ EMBEDDED_SETTINGS = (
 )
 """The worker settings the gateway's command line offers for its embedded
 workers: their own flags, from their one definition (``worker.config``)."""
+EMBEDDED_GROUP = (
+    "embedded workers (used when no --prefill/--decode is given): the workers' own flags"
+)
 
 
 @dataclass(frozen=True)
 class EmbeddedConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
-    """The settings both workers share (role, host and port are each one's own)."""
-    prefill_device: str | None = None
-    """Overrides ``worker.engine.device`` for the prefill worker."""
-    decode_device: str | None = None
-    start_timeout_s: float = 600.0
-    """A real model loads, is profiled and captures its graphs within this."""
-    extra_args: tuple[str, ...] = ()
+    """The settings both workers share (role, host and port are each one's own);
+    the gateway's command line offers ``EMBEDDED_SETTINGS`` of them."""
+    prefill_device: str | None = setting(
+        None,
+        help="device of the prefill worker (default: see --decode-device)",
+        group=EMBEDDED_GROUP,
+    )
+    decode_device: str | None = setting(
+        None,
+        help="device of the decode worker (default: with --device auto or cuda and two or "
+        "more GPUs, prefill and decode each on their own; else both on --device, each "
+        "taking half of --gpu-memory-utilization)",
+        group=EMBEDDED_GROUP,
+    )
+    embedded_start_timeout_s: float = setting(
+        600.0,
+        help="the embedded workers load the model, profile it and capture their graphs "
+        "within this many seconds, or the gateway stops (default: %(default)s)",
+        group=EMBEDDED_GROUP,
+    )
+    extra_args: tuple[str, ...] = setting(
+        (),
+        help="arguments added to both workers' command lines (no flag: the gateway's "
+        "command line offers the workers' own flags)",
+        flag=False,
+    )
 
     @classmethod
-    def from_settings(cls, **settings: Any) -> EmbeddedConfig:
-        """``EMBEDDED_SETTINGS`` by name (the gateway's flags), plus this
-        class's own fields."""
-        own = {k: settings.pop(k) for k in list(settings) if k not in EMBEDDED_SETTINGS}
-        return cls(worker=WorkerConfig.from_settings(**settings), **own)
+    def from_settings(cls, **values: Any) -> EmbeddedConfig:
+        """A config from one keyword per setting, named as on the command line:
+        ``EMBEDDED_SETTINGS`` (and any other of the workers' settings) go to
+        ``worker``."""
+        return settings.build(cls, values)
+
+    def to_argv(self) -> list[str]:
+        """The gateway command line's arguments for this config: the settings
+        of ``flags`` that differ from their defaults (the workers' other
+        settings have no gateway flag)."""
+        return settings.to_argv(self, flags())
 
     def placement(self, cuda_devices: int) -> tuple[str, str, float]:
         """The prefill and decode workers' devices and each one's
@@ -85,13 +114,15 @@ class EmbeddedConfig:
         return prefill, decode, share
 
 
-def add_embedded_flags(container: argparse._ActionsContainer) -> None:
-    """The ``EMBEDDED_SETTINGS`` flags, as the workers define them."""
-    from protocol.settings import add_flag
-
-    for flag in flags():
-        if flag.name in EMBEDDED_SETTINGS:
-            add_flag(container, flag)
+def flags() -> tuple[Flag, ...]:
+    """The embedded workers' flags on the gateway's command line: this
+    config's own and the workers' ``EMBEDDED_SETTINGS``, as the workers
+    define them."""
+    return tuple(
+        flag
+        for flag in settings.flags(EmbeddedConfig)
+        if flag.path[:1] != ("worker",) or flag.name in EMBEDDED_SETTINGS
+    )
 
 
 def cuda_device_count() -> int:
@@ -163,7 +194,7 @@ class EmbeddedWorkers:
         return self
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.start_timeout_s
+        deadline = time.monotonic() + self.config.embedded_start_timeout_s
         for proc, role, url in zip(
             self.procs, ("prefill", "decode"), (self.prefill_url, self.decode_url)
         ):

@@ -189,14 +189,12 @@ def _kind(hint: Any, name: str) -> tuple[type, bool, bool]:
     tuple, from the annotation."""
     args = typing.get_args(hint)
     sequence = typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis
-    if sequence:
-        return args[0], False, True
     optional = type(None) in args
     rest = [a for a in args if a is not type(None)]
-    kind = rest[0] if optional and len(rest) == 1 else hint
-    if kind not in (bool, int, float, str) or (optional and kind is bool):
+    kind = args[0] if sequence else rest[0] if optional and len(rest) == 1 else hint
+    if kind not in (bool, int, float, str) or ((optional or sequence) and kind is bool):
         raise TypeError(f"setting {name!r} has type {hint}, which has no command-line form")
-    return kind, optional, False
+    return kind, optional, sequence
 
 
 def build(cls: type, settings: Mapping[str, Any]) -> Any:

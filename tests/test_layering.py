@@ -27,7 +27,7 @@ EXCEPTIONS: dict[str, set[str]] = {
     # The embedded default starts local worker processes: it builds their command
     # line from the worker's (torch-free) config, offers their flags on the
     # gateway's command line and shares their process helpers.
-    "gateway.embedded": {"worker.config", "worker.cli", "worker.processes"},
+    "gateway.embedded": {"worker.config", "worker.processes"},
 }
 """Modules allowed to import these specific modules beyond their layer's rule."""
 

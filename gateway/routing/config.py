@@ -1,54 +1,114 @@
-"""Configuration of the routing layer."""
+"""Configuration of the routing layer: each field is a ``setting``
+(``protocol.settings``), a flag of the gateway's command line."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from gateway.routing.policies import DECODE_POLICIES, PREFILL_POLICIES
+from protocol.settings import setting
+
+ROUTING_GROUP = "routing and health checks"
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill_policy: str = "cache_aware"
-    """A key of ``PREFILL_POLICIES``."""
-    decode_policy: str = "least_load"
-    """A key of ``DECODE_POLICIES``."""
-    skip_prefill_threshold: int = 0
-    """Prompts of at most this many tokens skip the prefill pool and are
-    prefilled on their decode worker (conditional disaggregation); 0 disables."""
+    prefill_policy: str = setting(
+        "cache_aware",
+        help="how a prefill worker is picked (default: %(default)s)",
+        group=ROUTING_GROUP,
+        choices=sorted(PREFILL_POLICIES),
+    )
+    decode_policy: str = setting(
+        "least_load",
+        help="how a decode worker is picked (default: %(default)s)",
+        group=ROUTING_GROUP,
+        choices=sorted(DECODE_POLICIES),
+    )
+    skip_prefill_threshold: int = setting(
+        0,
+        help="prompts of at most this many tokens skip the prefill pool and are prefilled "
+        "on their decode worker (conditional disaggregation); 0 disables (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
 
-    breaker_failure_threshold: int = 5
-    """Consecutive failed requests that open a worker's circuit breaker."""
-    breaker_cooldown_s: float = 10.0
-    """How long an open breaker stays open before it lets one trial request through."""
+    breaker_failure_threshold: int = setting(
+        5,
+        help="consecutive failed requests that open a worker's circuit breaker "
+        "(default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    breaker_cooldown_s: float = setting(
+        10.0,
+        help="how long an open circuit breaker stays open before it lets one trial request "
+        "through (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
 
-    cache_block_tokens: int = 16
-    """Granularity of the cache-aware prefix trees: prefixes match in blocks of
-    this many tokens (plus an exact-match tail block)."""
-    cache_max_tokens: int = 1 << 20
-    """Size bound of each prefill worker's prefix tree, in tokens (blocks are
-    evicted least recently routed first)."""
-    cache_min_match_ratio: float = 0.5
-    """Below this matched fraction of the prompt, cache_aware uses least load."""
-    balance_abs_threshold: int = 8192
-    """cache_aware ignores the cache when the most loaded worker has more than
-    this many outstanding tokens above the least loaded one ..."""
-    balance_rel_threshold: float = 2.0
-    """... and more than this many times its outstanding tokens."""
+    cache_block_tokens: int = setting(
+        16,
+        help="granularity of the cache-aware prefix trees: prefixes match in blocks of this "
+        "many tokens, plus an exact-match tail block (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    cache_max_tokens: int = setting(
+        1 << 20,
+        help="size bound of each prefill worker's prefix tree in tokens; the blocks routed "
+        "least recently are evicted first (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    cache_min_match_ratio: float = setting(
+        0.5,
+        help="below this matched fraction of the prompt, cache_aware picks by least load "
+        "(default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    balance_abs_threshold: int = setting(
+        8192,
+        help="cache_aware ignores the cache when the most loaded worker has more than this "
+        "many outstanding tokens above the least loaded one and more than "
+        "--balance-rel-threshold times its outstanding tokens (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    balance_rel_threshold: float = setting(
+        2.0,
+        help="the ratio of outstanding tokens beyond which cache_aware balances load "
+        "(see --balance-abs-threshold) (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
 
-    max_requests_per_worker: int = 0
-    """Requests one worker gets at once; a full worker is passed over (and the
-    gateway's admission queue holds what no worker has room for). 0: no bound."""
+    max_requests_per_worker: int = setting(
+        0,
+        help="requests one worker gets at once; a full worker is passed over (and the "
+        "admission queue holds what no worker has room for); 0: no bound "
+        "(default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
 
-    health_interval_s: float = 5.0
-    """Seconds between two health checks of a worker."""
-    health_timeout_s: float = 2.0
-    """HTTP timeout of one /health or /server_info call."""
-    probe_interval_s: float = 0.5
-    """Seconds between two checks of a worker that is down (so it is back in
-    routing soon after it answers)."""
-    unhealthy_after: int = 2
-    """Failed health checks in a row that mark a worker unhealthy."""
+    health_interval_s: float = setting(
+        5.0,
+        help="seconds between two health checks of a worker; a worker failing "
+        "--unhealthy-after in a row takes no new requests until one passes "
+        "(default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    health_timeout_s: float = setting(
+        2.0,
+        help="HTTP timeout of one health check (a /health or /server_info call) "
+        "(default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    probe_interval_s: float = setting(
+        0.5,
+        help="seconds between two checks of a worker that is down, so that it is back in "
+        "routing soon after it answers (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    unhealthy_after: int = setting(
+        2,
+        help="failed health checks in a row that mark a worker unhealthy (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_policy not in PREFILL_POLICIES:
