@@ -72,9 +72,12 @@ def test_cli_choices_come_from_the_registries() -> None:
         assert issubclass(get_attention_backend(name), AttentionBackend)
 
 
-def _other_value(flag: Flag) -> Any:
-    """A valid value of ``flag`` that is not its default."""
+def other_value(flag: Flag) -> Any:
+    """A valid value of ``flag`` that is not its default (the gateway's
+    settings test uses it too)."""
     default = flag.default
+    if flag.sequence:
+        return (*default, "a", "b")
     if flag.kind is bool:
         return not default
     choices = flag.meta("choices")
@@ -102,7 +105,7 @@ def _other_value(flag: Flag) -> Any:
 )
 def test_to_argv_round_trips(settings: dict[str, Any] | str, no_env_defaults: None) -> None:
     if settings == "every":
-        settings = {flag.name: _other_value(flag) for flag in flags()}
+        settings = {flag.name: other_value(flag) for flag in flags()}
         assert settings["role"] == "prefill"
     config = WorkerConfig.from_settings(**settings)
     programs = [("prefill_server", PREFILL_ROLE, 30000), ("decode_server", DECODE_ROLE, 30001)]
