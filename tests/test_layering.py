@@ -1,5 +1,9 @@
 """The package layers: dependencies point one way, no import cycle between files,
-and the torch-free layers stay torch-free when imported."""
+the torch-free layers stay torch-free when imported, and the support code
+stays out of the product: no product package imports ``harness`` or
+``benchmarks``, ``harness`` does not import ``benchmarks``, and the tests do
+not import ``benchmarks`` (a test runs a tool as a subprocess, or tests what
+the tool uses from ``harness``)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ EXCEPTIONS: dict[str, set[str]] = {
     "gateway.embedded": {"worker.config", "worker.processes"},
 }
 """Modules allowed to import these specific modules beyond their layer's rule."""
+
+SUPPORT_FLOORS: dict[str, set[str]] = {
+    **{pkg: {"harness", "benchmarks"} for pkg in ALLOWED},
+    "harness": {"benchmarks"},
+    "tests": {"benchmarks"},
+}
+"""Directory -> the support packages no file under it may import."""
 
 TORCH_FREE = [
     "protocol.client",
@@ -78,6 +89,11 @@ def _is_type_checking(test: ast.expr) -> bool:
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     """First-party modules that ``path`` imports at run time (at module level or
     inside functions; ``if TYPE_CHECKING:`` blocks excluded)."""
+    return {m for m in _all_imports(path, modules) if m.split(".")[0] in ALLOWED}
+
+
+def _all_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every absolute module that ``path`` imports at run time (see ``_imports``)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
@@ -95,7 +111,7 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
             visit(child)
 
     visit(ast.parse(path.read_text()))
-    return {m for m in found if m.split(".")[0] in ALLOWED}
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +168,18 @@ def test_the_checker_sees_a_cycle_and_a_wrong_way_import(tmp_path: Path) -> None
         "def f():\n    from worker.config import WorkerConfig\n"
     )
     assert _imports(src, _modules()) == {"protocol.to_worker", "worker.config"}
+    src.write_text("def f():\n    import benchmarks.bench_serving\nfrom harness import procs\n")
+    assert {m.split(".")[0] for m in _all_imports(src, {})} == {"benchmarks", "harness"}
+
+
+def test_support_code_stays_out_of_the_product() -> None:
+    bad = []
+    for top, banned in sorted(SUPPORT_FLOORS.items()):
+        for path in sorted((REPO / top).rglob("*.py")):
+            for mod in sorted(_all_imports(path, {})):
+                if mod.split(".")[0] in banned:
+                    bad.append(f"{path.relative_to(REPO)} imports {mod}")
+    assert not bad, "\n".join(bad)
 
 
 def test_torch_free_layers_do_not_load_torch() -> None:
