@@ -27,6 +27,7 @@ from engine.engine import InFlight
 from engine.request import EngineRequestError
 from kvtransfer import to_decode, to_prefill
 from kvtransfer.decode_side import DecodeKVPlane, PeerFailed
+from protocol.finish import FinishReason
 from protocol.roles import DECODE
 from protocol.stages import ADMITTED, DONE_RECEIVED, RESERVE_SENT
 from protocol.to_gateway import TokenDelta
@@ -97,7 +98,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
     def abort(self, rid: str) -> None:
         room = self.rooms.serving(rid)
         if room is not None and room.state in (DecodeState.WAITING_PAGES, DecodeState.TRANSFERRING):
-            self._fail_room(room, "abort", None)
+            self._fail_room(room, FinishReason.ABORT, None)
             return
         if self.scheduler.abort(rid) is not None:
             self._finish(rid, abort_delta(rid))
@@ -152,7 +153,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
     def _fail_room(
         self,
         room: Room,
-        kind: str,
+        kind: FinishReason,
         reason: str | None,
         peer_alive: bool = True,
         tell_peer: bool = True,
@@ -161,8 +162,9 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
         (``peer_alive``: one may be; ``tell_peer``: ask the prefill engine to
         give the room up, which frees them sooner)."""
         req = room.req
-        self.counters["transfers_failed"] += int(kind == "error")
-        (log.warning if kind == "error" else log.debug)(
+        failed = kind == FinishReason.ERROR
+        self.counters["transfers_failed"] += int(failed)
+        (log.warning if failed else log.debug)(
             "rid=%s room=%s: %s in state %s: %s", req.rid, room.id, kind, room.state.value, reason
         )
         if room.state is DecodeState.WAITING_PAGES:
@@ -225,9 +227,9 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
                 if isinstance(msg, to_decode.Done):
                     self._on_done(room, msg)
                 elif isinstance(msg, to_decode.RoomFailed):
-                    self._fail_room(room, "error", msg.reason, peer_alive=False)
+                    self._fail_room(room, FinishReason.ERROR, msg.reason, peer_alive=False)
                 else:  # AbortAck: the prefill side gave the room up
-                    self._fail_room(room, "abort", None, peer_alive=False)
+                    self._fail_room(room, FinishReason.ABORT, None, peer_alive=False)
             elif room.state is DecodeState.DRAINING:
                 self._release_room(room)
         return bool(events)
@@ -243,11 +245,11 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
                 if room.state is DecodeState.TRANSFERRING:
                     # No AbortRoom: the connection it would go on is the one
                     # that just dropped.
-                    self._fail_room(room, "error", failure.reason, tell_peer=False)
+                    self._fail_room(room, FinishReason.ERROR, failure.reason, tell_peer=False)
             elif room.state is DecodeState.DRAINING:
                 self._release_room(room)
             elif room.state is DecodeState.TRANSFERRING:
-                self._fail_room(room, "error", failure.reason, peer_alive=False)
+                self._fail_room(room, FinishReason.ERROR, failure.reason, peer_alive=False)
             # A room still waiting for pages has sent nothing yet: it opens a
             # fresh connection (a restarted prefill worker at the same address
             # serves it; a refusal fails it then).
@@ -260,7 +262,7 @@ class DecodeLoop(DisaggLoop[Room, DecodeKVPlane]):
             if room.state is DecodeState.TRANSFERRING:
                 self._fail_room(
                     room,
-                    "error",
+                    FinishReason.ERROR,
                     f"KV transfer from {room.prefill} did not finish within "
                     f"{self.config.transfer_timeout_s:g}s",
                 )

@@ -17,6 +17,7 @@ from engine.request import EngineRequestError, Request, StepOutput
 from engine.runner import ForwardOutput
 from engine.sampling import SamplingBatch
 from engine.scheduler import ScheduledBatch, Scheduler
+from protocol.finish import PROMPT_PARAM, FinishReason
 from protocol.sampling import SamplingParams
 
 
@@ -68,12 +69,14 @@ class Engine:
         if rid in self._rids:
             raise EngineRequestError(f"request id {rid!r} is already in use")
         if not prompt_ids:
-            raise EngineRequestError("prompt is empty: at least one token is required", "prompt")
+            raise EngineRequestError(
+                "prompt is empty: at least one token is required", PROMPT_PARAM
+            )
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise EngineRequestError(
-                f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
+                f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", PROMPT_PARAM
             )
         n = len(prompt_ids)
         limit = self.max_model_len
@@ -86,10 +89,10 @@ class Engine:
             )
             raise EngineRequestError(
                 f"prompt has {n} tokens; {what} and at least one token must be generated",
-                "prompt",
+                PROMPT_PARAM,
             )
         # Like the context length, the pool caps the output: the request ends
-        # with finish_reason "length" where the pool would run out.
+        # with finish_reason LENGTH where the pool would run out.
         max_total = min(n + params.max_tokens, limit)
         # Unseeded requests still get a fixed stream of their own, so that a
         # retraction and recompute draws the same tokens again.
@@ -131,7 +134,7 @@ class Engine:
         self._rids.discard(rid)
         self._grammar_rids.discard(rid)
         self._adjusted_rids.discard(rid)
-        return StepOutput(rid, -1, 0.0, "abort", max(req.num_cached_tokens, 0))
+        return StepOutput(rid, -1, 0.0, FinishReason.ABORT, max(req.num_cached_tokens, 0))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from engine.request import EngineRequestError
+from protocol.finish import GRAMMAR_PARAM
 from protocol.host import usable_cores
 from protocol.sampling import GrammarSpec
 
@@ -78,7 +79,7 @@ class GrammarTimes:
 class GrammarError(EngineRequestError):
     """A grammar that does not compile: the request's fault, not the worker's."""
 
-    param = "grammar"
+    param = GRAMMAR_PARAM
 
 
 def _max_threads() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from protocol.finish import FinishReason
 from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ class EngineRequestError(ValueError):
     """A request the engine refuses (bad prompt, does not fit, duplicate id)."""
 
     param: str | None = None
-    """The request field at fault, when the error is about one: "prompt" for
+    """The request field at fault, when the error is about one: PROMPT_PARAM for
     a prompt that can never run (empty, too long, ids outside the
     vocabulary), a sampling parameter's name, or None (the request id)."""
 
@@ -44,7 +45,7 @@ class Request:
     num_cached_tokens: int = -1
     """Prefix-cache hit at first admission (-1 until admitted)."""
     cache_node: RadixNode | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     pending: int = 0
     """Tokens sampled by a launched forward but not yet appended (overlap)."""
     count_slot: int = -1
@@ -97,8 +98,8 @@ class StepOutput(NamedTuple):
     rid: str
     token_id: int
     logprob: float
-    finish_reason: str | None
-    """None while running; "stop", "length" or "abort" at the end."""
+    finish_reason: FinishReason | None
+    """None while running; STOP, LENGTH or ABORT at the end."""
     num_cached_tokens: int
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: PromptLogprobs | None = None

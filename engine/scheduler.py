@@ -22,6 +22,7 @@ from engine.prompt_logprobs import PromptScoring, chunk_limit, logits_mode
 from engine.request import Request, StepOutput
 from engine.runner import ForwardOutput
 from engine.sampling import SamplingBatch
+from protocol.finish import FinishReason
 
 
 class ScheduledBatch(NamedTuple):
@@ -105,7 +106,7 @@ class Scheduler:
             if req.rid == rid:
                 self.running.remove(req)
                 self._release(req)
-                req.finish_reason = "abort"
+                req.finish_reason = FinishReason.ABORT
                 return req
         return None
 
@@ -341,12 +342,12 @@ class Scheduler:
         """Give back the pages of a request this scheduler no longer tracks."""
         self._release(req)
 
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
+    def _finish_reason(self, req: Request, tok: int) -> FinishReason | None:
         p = req.params
         if (not p.ignore_eos and tok in self.model_config.eos_token_ids) or tok in p.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if req.num_output >= p.max_tokens or len(req.fill_ids) >= req.max_total_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _cache_computed(self, req: Request) -> None:

@@ -66,7 +66,8 @@ from gateway.routing import WorkerError, normalize_url
 from gateway.stages import RequestTrace
 from gateway.state import GatewayState
 from gateway.text.tool_parsers import parser_for_template
-from protocol.roles import ROLES
+from protocol.finish import GRAMMAR_PARAM, PROMPT_PARAM
+from protocol.roles import PREFILL, ROLES
 
 log = logging.getLogger("gateway.app")
 
@@ -224,7 +225,7 @@ def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
         state: whether it takes requests and, when it does not, why."""
         workers = state.router.workers()
         up = {w.url: state.router.is_available(w) for w in workers}
-        ok = any(up[w.url] for w in workers if w.role != "prefill")
+        ok = any(up[w.url] for w in workers if w.role != PREFILL)
         return JSONResponse(
             {
                 "status": "ok" if ok else "unavailable",
@@ -523,9 +524,9 @@ async def _generate(
     rid = shape.id_prefix + secrets.token_hex(12)
     traces = [RequestTrace(received or tokenized, tokenized) for _ in specs]
     # The request fields behind what a worker may refuse of the request itself.
-    error_params = {"prompt": shape.prompt_param}
+    error_params = {PROMPT_PARAM: shape.prompt_param}
     if constraint.param:
-        error_params["grammar"] = constraint.param
+        error_params[GRAMMAR_PARAM] = constraint.param
     gens = [
         choice_stream(
             state.dispatcher, tokenizer, ids, spec, stops, f"{rid}-{i}", traces[i], error_params

@@ -26,21 +26,13 @@ from protocol.client import (
     WorkerTimeout,
     WorkerUnreachable,
 )
+from protocol.finish import ENDED, FAILED, WORKER_STOPPED, FinishReason
 from protocol.sampling import SamplingParams
 from protocol.stages import DISPATCHED
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 
 log = logging.getLogger("gateway.dispatch")
-
-PREFILL_DONE = "prefill_done"
-"""Finish reason of prefill's single delta when decoding continues elsewhere."""
-
-WORKER_STOPPED = "worker is shutting down"
-"""The error a worker's engine process gives every request it still has when
-it stops: after a drain that ran out of time, or stopped with no drain (one
-whose front process died says that instead). Whether it drained, the gateway
-tells by whether the worker said so (``WorkerInfo.stopping``)."""
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -89,6 +81,7 @@ def _failure_text(worker: WorkerInfo, error: str | None) -> str:
     ``error``), told of the worker."""
     what = f"{worker.role} worker {worker.url}"
     if error == WORKER_STOPPED:
+        # Whether it drained, the worker said (``WorkerInfo.stopping``).
         if worker.stopping:
             return f"{what} is shutting down: it stopped before the request ended"
         return f"{what} failed (it stopped while serving the request)"
@@ -253,8 +246,8 @@ class Dispatcher:
         self, prompt_ids: list[int], spec: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas; the last one has ``finish_reason`` set
-        ("stop", "length", "abort" or "error" with ``error``). Leaving the
-        iterator early aborts the request on every worker that has it.
+        (``FinishReason``; ERROR with ``error``). Leaving the iterator early
+        aborts the request on every worker that has it.
 
         A worker that fails before the request produced anything is left out
         and the request goes to another one (up to ``max_attempts`` workers);
@@ -433,13 +426,13 @@ def _note(
     first): a refusal marked retryable is raised as ``_NotDispatched``; a final
     delta notes whether the worker failed and the stages it reported. Returns
     the delta, with the error of one the worker failed told of the worker."""
-    if first and delta.retry and delta.finish_reason == "error":
+    if first and delta.retry and delta.finish_reason == FinishReason.ERROR:
         raise _NotDispatched(worker, WorkerDraining(delta.error or "worker is draining"))
     if delta.finish_reason is not None:
         if delta.stages is not None and trace is not None:
             trace.report(worker.role, delta.stages)
         # A request refused for itself is no failure of the worker.
-        if delta.finish_reason == "error" and delta.error_param is None:
+        if delta.finish_reason == FinishReason.ERROR and delta.error_param is None:
             failed.add(worker)
             return msgspec.structs.replace(delta, error=_failure_text(worker, delta.error))
     return delta
@@ -478,18 +471,18 @@ async def merge_prefill_decode(
         done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if d_task in done and p_task not in done:
             d_first = d_task.result()
-            # Decode refused or failed. (A final "stop"/"length" here is a
+            # Decode refused or failed. (A final STOP or LENGTH here is a
             # success: decode's whole stream, merged while the gateway was
             # behind; prefill's token still goes first.)
-            if d_first.finish_reason in ("error", "abort"):
+            if d_first.finish_reason in FAILED:
                 yield d_first, "decode"
                 return
             p_delta = await p_task
         else:
             p_delta = p_task.result()
-        if p_delta.finish_reason not in (PREFILL_DONE,):
+        if p_delta.finish_reason != FinishReason.PREFILL_DONE:
             # Error or abort at prefill, or the first token ends the request.
-            final = p_delta.finish_reason in ("stop", "length")
+            final = p_delta.finish_reason in ENDED
             yield p_delta, "prefill"
             if final:
                 # Decode learns of it with Done and ends with no tokens.

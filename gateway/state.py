@@ -26,6 +26,7 @@ from gateway.routing import (
 )
 from gateway.routing.workers import WorkerInfo
 from gateway.text import Tokenizer
+from protocol.roles import DECODE, PREFILL
 
 log = logging.getLogger("gateway.app")
 
@@ -77,7 +78,7 @@ class GatewayState:
         joins once a health check finds it fit: the gateway and its workers
         may start in any order, and the gateway serves whatever it has."""
         cfg = self.config
-        for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        for role, urls in ((PREFILL, cfg.prefill), (DECODE, cfg.decode)):
             for url in urls:
                 try:
                     await self.admin.add_worker(url, role)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.finish import FinishReason
+
 
 class HandshakeOk(msgspec.Struct, tag="handshake_ok", frozen=True):
     prefill_name: str
@@ -20,8 +22,8 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     first_token: int
     logprob: float
     cached_tokens: int
-    finish_reason: str | None = None
-    """Set when the first token already ends the request."""
+    finish_reason: FinishReason | None = None
+    """Set when the first token already ends the request (STOP or LENGTH)."""
 
 
 class RoomFailed(msgspec.Struct, tag="room_failed", frozen=True):

@@ -21,7 +21,8 @@ from kvtransfer import to_decode, to_prefill
 from kvtransfer.backend import TransferState
 from kvtransfer.prefill_side import PrefillKVPlane
 from prefill_server.room import STOPPED, FirstToken, PrefillState, Room, Unclaimed
-from prefill_server.scheduler import PREFILL_DONE, PrefillScheduler
+from prefill_server.scheduler import PrefillScheduler
+from protocol.finish import FinishReason
 from protocol.roles import PREFILL
 from protocol.stages import (
     ADMITTED,
@@ -319,7 +320,7 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
         assert room.first is not None and room.computed_at is not None
         tok, lp, reason = room.first
         cached = max(room.req.num_cached_tokens, 0)
-        finish = None if reason == PREFILL_DONE else reason
+        finish = None if reason == FinishReason.PREFILL_DONE else reason
         self.stages.mark(room.req.rid, WRITES_LANDED)
         self.kv.send(room.decode, to_decode.Done(room.id, tok, lp, cached, finish))
         self.stages.mark(room.req.rid, DONE_SENT)

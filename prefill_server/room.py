@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from engine.request import Request
 from kvtransfer import to_prefill
+from protocol.finish import FinishReason
 
 
 class PrefillState(Enum):
@@ -58,7 +59,7 @@ class FirstToken(NamedTuple):
 
     token_id: int
     logprob: float
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 @dataclass(eq=False)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from engine.request import Request
 from engine.scheduler import Scheduler
-
-PREFILL_DONE = "prefill_done"
-"""Finish reason of a request whose first token is out and whose decoding
-continues on a decode worker."""
+from protocol.finish import FinishReason
 
 
 class PrefillScheduler(Scheduler):
@@ -32,5 +29,6 @@ class PrefillScheduler(Scheduler):
     def _on_finish(self, req: Request) -> None:
         pass  # the prefill loop releases after the transfer
 
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
-        return super()._finish_reason(req, tok) or PREFILL_DONE
+    def _finish_reason(self, req: Request, tok: int) -> FinishReason | None:
+        # PREFILL_DONE: the first token is out; decoding goes on elsewhere.
+        return super()._finish_reason(req, tok) or FinishReason.PREFILL_DONE

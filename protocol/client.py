@@ -12,7 +12,7 @@ Failure contract of ``generate``:
   (the request never reached a worker: safe to send elsewhere);
 - request-level failures (bad prompt, invalid sampling, duplicate id in the
   worker, worker shutting down) arrive as a final delta with
-  ``finish_reason == "error"`` and ``error`` set;
+  ``finish_reason`` ERROR and ``error`` set;
 - ``WorkerTimeout`` is raised when no delta for the request arrives within
   ``timeout_s`` (the request is aborted on the worker);
 - ``WorkerDisconnected`` is raised when the connection to the worker drops
@@ -50,6 +50,7 @@ from zmq.utils.monitor import parse_monitor_message
 from protocol import to_gateway, to_worker
 from protocol.aio import cancel_and_wait
 from protocol.auth import ClusterKeys, secure_client
+from protocol.finish import FAILED, FinishReason
 from protocol.stages import FIRST_TOKEN_RECEIVED, StageClock
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Abort, Generate, Heartbeat, Prefill
@@ -106,8 +107,6 @@ class WorkerClientClosed(WorkerError):
 
 
 _Item = TokenDelta | WorkerError
-_NOT_MERGED = frozenset({"error", "abort"})
-"""Final reasons a delta is never merged into (the tokens before it go first)."""
 
 
 class _Inbox:
@@ -150,7 +149,7 @@ def merge_deltas(first: TokenDelta, rest: deque[_Item]) -> TokenDelta:
         nxt = rest[0]
         if (
             isinstance(nxt, WorkerError)
-            or nxt.finish_reason in _NOT_MERGED
+            or nxt.finish_reason in FAILED
             or (nxt.top_logprobs is not None) != with_tops
         ):
             break
@@ -378,7 +377,7 @@ class WorkerClient:
                 raise WorkerUnreachable(f"the connection to {self.endpoint} is down")
             if await self._wait_connected(rid):
                 # Aborted before it was sent: the worker never hears of it.
-                yield TokenDelta(rid, [], [], "abort")
+                yield TokenDelta(rid, [], [], FinishReason.ABORT)
                 return
             if self._closed:
                 raise WorkerClientClosed("client is closed")
@@ -466,7 +465,7 @@ class WorkerClient:
         )
 
     async def abort(self, rid: str) -> None:
-        """Ask the worker to stop ``rid``; its iterator then gets an "abort" delta.
+        """Ask the worker to stop ``rid``; its iterator then gets an ABORT delta.
         A request still waiting for the connection is never sent."""
         unsent = self._unsent.get(rid)
         if unsent is not None:

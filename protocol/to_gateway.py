@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import msgspec
 
+from protocol.finish import FinishReason
+
 
 class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     rid: str
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str | None = None
-    """None while running; "stop", "length", "abort" or "error" at the end."""
+    finish_reason: FinishReason | None = None
+    """None while running; set on the request's final delta (``protocol.finish``)."""
     num_cached_tokens: int = 0
     error: str | None = None
-    """Set with finish_reason "error": why the request failed."""
+    """Set with finish_reason ERROR: why the request failed (``WORKER_STOPPED``:
+    the worker stopped while serving it)."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token: the most likely (token id, logprob) pairs, when asked for."""
     stages: dict[str, float] | None = None
@@ -26,11 +29,12 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     """With ``prompt_logprobs``: the most likely (token id, logprob) pairs at each
     of those positions (empty lists when no alternatives were asked for)."""
     error_param: str | None = None
-    """Set with finish_reason "error" when the request itself is at fault: the
-    sampling parameter the worker refused (e.g. "grammar", one that does not
-    compile). Not a failure of the worker."""
+    """Set with finish_reason ERROR when the request itself is at fault: the
+    parameter the worker refused (``PROMPT_PARAM``, ``GRAMMAR_PARAM`` for one
+    that does not compile, or another sampling parameter's name). Not a
+    failure of the worker."""
     retry: bool = False
-    """Set with finish_reason "error" when the worker did not take the request
+    """Set with finish_reason ERROR when the worker did not take the request
     (it is draining before it stops): nothing of it ran, so the requester may
     send it to another worker."""
 

@@ -13,10 +13,11 @@ import zmq
 import zmq.asyncio
 from workers import free_port
 
-from gateway.dispatch import PREFILL_DONE, Dispatcher, NoWorkerAvailable, merge_prefill_decode
+from gateway.dispatch import Dispatcher, NoWorkerAvailable, merge_prefill_decode
 from gateway.routing import Router, RouterConfig, WorkerInfo
 from protocol import to_gateway, to_worker
 from protocol.client import WorkerDisconnected, WorkerError, WorkerUnreachable
+from protocol.finish import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta, Tokens
 from protocol.to_worker import Abort, Heartbeat
@@ -310,7 +311,9 @@ def test_merge_holds_a_decode_stream_that_ends_before_prefill_answers() -> None:
         await settle()
         assert run.out == [], "decode's tokens went out before prefill's"
         assert not run.task.done()
-        run.prefill.send(TokenDelta(RID, [10], [-1.0], PREFILL_DONE, num_cached_tokens=4))
+        run.prefill.send(
+            TokenDelta(RID, [10], [-1.0], FinishReason.PREFILL_DONE, num_cached_tokens=4)
+        )
         await run.result()
         # Prefill's delta goes out as a running one: the request goes on at decode.
         first = TokenDelta(RID, [10], [-1.0], None, num_cached_tokens=4)
@@ -333,7 +336,7 @@ def test_merge_holds_a_whole_decode_stream_in_one_final_delta() -> None:
         run.decode.send(whole)
         await settle()
         assert run.out == [] and not run.task.done()
-        run.prefill.send(TokenDelta(RID, [10], [-1.0], PREFILL_DONE))
+        run.prefill.send(TokenDelta(RID, [10], [-1.0], FinishReason.PREFILL_DONE))
         await run.result()
         first = TokenDelta(RID, [10], [-1.0], None)
         assert run.out == [(first, "prefill"), (whole, "decode")]
@@ -362,7 +365,7 @@ def test_merge_decode_failing_before_prefill_answers_aborts_prefill(how: str) ->
                 await run.result()
             assert run.out == []
         assert run.prefill.aborted and run.prefill.taken == 0
-        run.prefill.send(TokenDelta(RID, [10], [-1.0], PREFILL_DONE))
+        run.prefill.send(TokenDelta(RID, [10], [-1.0], FinishReason.PREFILL_DONE))
         await settle()
         assert run.prefill.taken == 0 and len(run.out) == (1 if how == "error_delta" else 0)
 

@@ -45,7 +45,7 @@ from workers import (
     worker_cmd,
 )
 
-from gateway.dispatch import WORKER_STOPPED, Dispatcher
+from gateway.dispatch import Dispatcher
 from gateway.openai.choices import ChoiceEvent, choice_stream
 from gateway.openai.errors import APIError
 from gateway.openai.tools import tool_call_events
@@ -58,6 +58,7 @@ from gateway.text.tool_parsers import (
     ToolCallParser,
 )
 from protocol.client import WorkerDisconnected
+from protocol.finish import WORKER_STOPPED
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from worker.config import CLUSTER_TOKEN_ENV

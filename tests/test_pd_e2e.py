@@ -38,9 +38,9 @@ from workers import Worker, dump_log, free_port, launch_worker, launch_workers, 
 from engine.llm import LLM
 from kvtransfer.endpoint import PEER_HEARTBEAT_TIMEOUT_S
 from kvtransfer.nixl import nixl_available
-from prefill_server.scheduler import PREFILL_DONE
 from protocol.auth import keys_for
 from protocol.client import WorkerClient, WorkerDisconnected, WorkerError
+from protocol.finish import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
@@ -403,7 +403,7 @@ def check_matches(result: PDResult, expected: Any, what: str) -> None:
     if len(expected.token_ids) == 1:  # the first token ended it
         assert p_last.finish_reason == expected.finish_reason, what
     else:
-        assert p_last.finish_reason == PREFILL_DONE, what
+        assert p_last.finish_reason == FinishReason.PREFILL_DONE, what
     assert d_last.finish_reason == expected.finish_reason, what
 
 
@@ -504,11 +504,11 @@ def test_decode_killed_mid_request(fresh_pair: Pair, expected: list[Any]) -> Non
     check_matches(warm, expected[1], "request before the kill")
     assert isinstance(dres, WorkerDisconnected), dres
     # Room a had its reservation: the first token goes out, the transfer fails.
-    assert final(pa).finish_reason == PREFILL_DONE, pa
+    assert final(pa).finish_reason == FinishReason.PREFILL_DONE, pa
     # Room b never got one: computed all the same (its first token goes out
     # at once; the decode side, here dead, would stream the rest), then failed
     # at the reservation timeout.
-    assert final(pb).finish_reason == PREFILL_DONE, pb
+    assert final(pb).finish_reason == FinishReason.PREFILL_DONE, pb
     assert b_after < SHORT_TIMEOUT_S + SLACK_S, b_after
     # The pages under a write to the dead peer come back within the transfer
     # timeout (the backend's write timeout is the worker's transfer timeout).
@@ -632,7 +632,7 @@ def test_decode_stream_closed_or_aborted_while_decoding(pd: PD) -> None:
                 await it.aclose()
                 assert dc.in_flight == 0
                 pres = await ptask
-                assert final(pres).finish_reason == PREFILL_DONE
+                assert final(pres).finish_reason == FinishReason.PREFILL_DONE
                 out.append(got)
             return out[0], out[1]
 

@@ -20,7 +20,7 @@ from engine.request import Request
 from prefill_server.loop import PrefillLoop
 from prefill_server.room import PrefillState
 from prefill_server.room import Room as PrefillRoom
-from prefill_server.scheduler import PREFILL_DONE
+from protocol.finish import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
@@ -179,7 +179,7 @@ def test_pd_matches_colocated(model_dir: str, decode_cache: bool, backend: str) 
         for i, e in enumerate(expected):
             assert h.tokens[f"r{i}"] == e.token_ids, f"request {i}"
             assert h.finish[f"r{i}"].finish_reason == "length"
-            assert h.p_final[f"r{i}"].finish_reason == PREFILL_DONE
+            assert h.p_final[f"r{i}"].finish_reason == FinishReason.PREFILL_DONE
         # Second wave: the decode-side cache now holds the prefixes, so prefill
         # sends only what decode lacks; tokens must not change.
         for i, prompt in enumerate(prompts):
@@ -284,7 +284,7 @@ def test_reserve_before_prefill(model_dir: str) -> None:
         h.run()
         assert h.tokens["r"] == expected.token_ids
         assert h.finish["r"].finish_reason == "length"
-        assert [x.finish_reason for x in h.p_deltas["r"]] == [PREFILL_DONE]
+        assert [x.finish_reason for x in h.p_deltas["r"]] == [FinishReason.PREFILL_DONE]
         assert p_room.state is PrefillState.DONE and d_room.state is DecodeState.DECODING
         assert p.stats()["transfers_ok"] == d.stats()["transfers_ok"] == 1
         assert_pool_back(p, p_start, cached=True)
@@ -318,7 +318,7 @@ def test_prefill_computes_while_its_reservation_is_on_the_way(model_dir: str) ->
         assert p_room is not None and p_room.scheduled
         h.step_until(lambda: "r" in h.p_final, deadline_s=30)  # prefill alone
         assert p_room.state is PrefillState.AWAITING_RESERVE and p_room.first is not None
-        assert p_room.handles == [] and h.p_final["r"].finish_reason == PREFILL_DONE
+        assert p_room.handles == [] and h.p_final["r"].finish_reason == FinishReason.PREFILL_DONE
         d.submit(Generate("r", prompt, spec, "room-r", p.bootstrap_endpoint), GW)
         h.run()
         assert h.tokens["r"] == expected.token_ids

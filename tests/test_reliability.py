@@ -22,13 +22,14 @@ import zmq
 import zmq.asyncio
 
 from gateway.admission import Admission, AdmissionConfig, Overloaded
-from gateway.dispatch import PREFILL_DONE, merge_prefill_decode
+from gateway.dispatch import merge_prefill_decode
 from gateway.routing import CircuitBreaker, Router, RouterConfig, WorkerInfo
 from kvtransfer.backend import ByteRange, TransferState
 from kvtransfer.tcp import TcpBackend, _Begin, _Data, _Hello, _Reply
 from protocol import to_worker
 from protocol.auth import keys_for, secure_client, secure_server
 from protocol.client import WorkerClient, WorkerDisconnected, WorkerUnreachable
+from protocol.finish import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate
@@ -217,7 +218,7 @@ def test_lost_worker_is_noticed_within_seconds(fault: str) -> None:
 async def _prefill_then_silence(lost: asyncio.Event) -> AsyncIterator[TokenDelta]:
     # The connection drops a moment after the first token went out.
     asyncio.get_running_loop().call_later(0.1, lost.set)
-    yield TokenDelta("r", [7], [-0.1], PREFILL_DONE)
+    yield TokenDelta("r", [7], [-0.1], FinishReason.PREFILL_DONE)
 
 
 async def _decode_never_answers() -> AsyncIterator[TokenDelta]:

@@ -23,6 +23,7 @@ from gateway.stages import RequestTrace, StageMetrics
 from protocol import stages as st
 from protocol import to_gateway
 from protocol.client import WorkerTimeout, merge_deltas
+from protocol.finish import FinishReason
 from protocol.prometheus import HistogramFamily
 from protocol.to_gateway import TokenDelta, Tokens
 from protocol.tracing import StageSpans, trace_ids
@@ -130,7 +131,7 @@ def test_stage_book_held_record_closes_when_released() -> None:
     t = time.monotonic()
     book.open("p", t)
     book.hold("p")
-    (final,) = book.on_send([TokenDelta("p", [5], [-0.2], "prefill_done")], t + 0.01)
+    (final,) = book.on_send([TokenDelta("p", [5], [-0.2], FinishReason.PREFILL_DONE)], t + 0.01)
     assert final.stages is not None and st.FIRST_TOKEN_SENT in final.stages
     assert len(book) == 1  # the room's KV is still moving
     book.mark("p", st.LAST_CHUNK_PUSHED, t + 0.011)

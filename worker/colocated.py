@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.engine import Engine, InFlight
 from engine.request import EngineRequestError
+from protocol.roles import BOTH
 from protocol.stages import ADMITTED
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
@@ -93,7 +94,7 @@ class ColocatedLoop(WorkerLoop):
         return bool(self._outbox) or self._inflight is not None or self.engine.has_unfinished()
 
     def stats(self) -> dict[str, Any]:
-        return {**engine_stats(self.engine, "both"), **self._counters}
+        return {**engine_stats(self.engine, BOTH), **self._counters}
 
     def close(self) -> None:
         for rid in list(self._clients):

@@ -4,11 +4,8 @@
   send ``to_worker`` messages; each step, every requester with news gets ONE
   ``Tokens`` frame holding its deltas.
 - control plane: ROUTER at an ``ipc://`` path chosen by the front, answering
-  msgpack maps ``{"id": n, "op": ...}`` with ``{"id": n, "ok": bool, ...}``.
-  Ops: ``ready`` (startup result: endpoints and static info, or the startup
-  error), ``ping``, ``stats``, ``server_info``, ``drain`` (refuse new requests
-  from now on, retryably; answers whether nothing is left in flight),
-  ``shutdown``.
+  msgpack maps ``{"id": n, "op": ...}`` with ``{"id": n, "ok": bool, ...}``;
+  the ops are ``CtrlOp``.
 
 The control socket is bound before the model loads, so the front's ``ready``
 request waits in the queue and is answered as soon as startup ends either way.
@@ -24,6 +21,7 @@ import signal
 import sys
 import time
 import traceback
+from enum import StrEnum
 from typing import Any
 
 import msgspec
@@ -31,6 +29,7 @@ import zmq
 
 from protocol import to_gateway, to_worker
 from protocol.auth import is_loopback, keys_for, secure_server
+from protocol.finish import WORKER_STOPPED, FinishReason
 from protocol.to_gateway import TokenDelta, Tokens
 from protocol.to_worker import Abort, Heartbeat
 from worker.config import WorkerConfig
@@ -45,6 +44,20 @@ STARTUP_ERROR_LINGER_S = 30.0
 """After a failed startup, how long to wait for the front to ask for the error."""
 
 _ctrl_encoder = msgspec.msgpack.Encoder()
+
+
+class CtrlOp(StrEnum):
+    """What the front asks the engine process on the control plane (``op``)."""
+
+    READY = "ready"
+    """The startup result: endpoints and static info, or the startup error."""
+    PING = "ping"
+    STATS = "stats"
+    SERVER_INFO = "server_info"
+    DRAIN = "drain"
+    """Refuse new requests from now on, retryably; answers whether nothing is
+    left in flight."""
+    SHUTDOWN = "shutdown"
 
 
 def encode_ctrl(obj: dict[str, Any]) -> bytes:
@@ -235,7 +248,7 @@ class EngineServer:
             return
 
     def _shutdown(self) -> None:
-        self._fail_all("worker is shutting down")
+        self._fail_all(WORKER_STOPPED)
         self._close_loop()
         self._close_sockets()
         log.info("engine process stopped")
@@ -471,20 +484,20 @@ class EngineServer:
         op = req.get("op")
         reply: dict[str, Any] = {"id": req.get("id"), "ok": True}
         try:
-            if op == "ready":
+            if op == CtrlOp.READY:
                 reply.update(self.info)
-            elif op == "stats":
+            elif op == CtrlOp.STATS:
                 reply["stats"] = self.stats()
                 reply["stages"] = self.loop.stages.histograms.snapshot()
-            elif op == "server_info":
+            elif op == CtrlOp.SERVER_INFO:
                 reply["info"] = {**self.info, "stats": self.stats()}
-            elif op == "drain":
+            elif op == CtrlOp.DRAIN:
                 self._draining = True
                 reply["in_flight"] = len(self._owners)
                 reply["idle"] = not self._owners and not self.loop.has_work()
-            elif op == "shutdown":
+            elif op == CtrlOp.SHUTDOWN:
                 self._stop = True
-            elif op != "ping":
+            elif op != CtrlOp.PING:
                 reply.update(ok=False, error=f"unknown op {op!r}")
         except Exception as e:
             log.exception("control op %r failed", op)
@@ -515,8 +528,8 @@ def _set_threads(n: int) -> int:
 
 def _refused(rid: str) -> TokenDelta:
     why = "the worker is draining (shutting down)"
-    return TokenDelta(rid, [], [], "error", 0, why, retry=True)
+    return TokenDelta(rid, [], [], FinishReason.ERROR, 0, why, retry=True)
 
 
 def _error(rid: str, message: str) -> TokenDelta:
-    return TokenDelta(rid, [], [], "error", 0, message)
+    return TokenDelta(rid, [], [], FinishReason.ERROR, 0, message)

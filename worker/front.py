@@ -35,9 +35,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from protocol import tokenizer_files
 from protocol.aio import cancel_and_wait
+from protocol.health import HealthStatus
 from protocol.prometheus import HistogramFamily
 from worker.config import WorkerConfig
-from worker.engine_proc import decode_ctrl, encode_ctrl, engine_main, setup_logging
+from worker.engine_proc import CtrlOp, decode_ctrl, encode_ctrl, engine_main, setup_logging
 from worker.roles import Role
 
 log = logging.getLogger("worker.front")
@@ -106,7 +107,7 @@ class EngineHandle:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
-    async def _send(self, op: str) -> asyncio.Future[dict[str, Any]]:
+    async def _send(self, op: CtrlOp) -> asyncio.Future[dict[str, Any]]:
         assert self._sock is not None
         req_id = next(self._ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -114,7 +115,7 @@ class EngineHandle:
         await self._sock.send(encode_ctrl({"id": req_id, "op": op}))
         return fut
 
-    async def ask(self, op: str, timeout: float = ASK_TIMEOUT_S) -> dict[str, Any]:
+    async def ask(self, op: CtrlOp, timeout: float = ASK_TIMEOUT_S) -> dict[str, Any]:
         """Send a control request and return the engine's reply."""
         if not self.alive:
             raise EngineUnavailable(f"engine process exited with code {self.proc.exitcode}")
@@ -124,7 +125,7 @@ class EngineHandle:
             while not fut.done():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise EngineUnavailable(f"engine did not answer {op!r} within {timeout:g}s")
+                    raise EngineUnavailable(f"engine did not answer {op} within {timeout:g}s")
                 if not self.alive:
                     raise EngineUnavailable(f"engine process exited with code {self.proc.exitcode}")
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -144,7 +145,7 @@ class EngineHandle:
     async def wait_ready(self, stop: asyncio.Event) -> dict[str, Any] | None:
         """The engine's ready reply (endpoints and static info); None if ``stop``
         was set first. Raises ``StartupError`` if the engine failed to start."""
-        fut = await self._send("ready")
+        fut = await self._send(CtrlOp.READY)
         try:
             while not fut.done():
                 if stop.is_set():
@@ -169,7 +170,7 @@ class EngineHandle:
         SIGTERM, then SIGKILL, if it lingers."""
         if self.proc.pid is not None and self.alive and self.ready:
             try:
-                await self.ask("shutdown", timeout=2.0)
+                await self.ask(CtrlOp.SHUTDOWN, timeout=2.0)
             except EngineUnavailable as e:
                 log.warning("engine did not take the shutdown request: %s", e)
             await asyncio.to_thread(self.proc.join, grace_s)
@@ -299,22 +300,22 @@ def build_app(state: FrontState) -> FastAPI:
     )
 
     def unavailable(e: Exception) -> JSONResponse:
-        return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
+        return JSONResponse({"status": HealthStatus.UNAVAILABLE, "reason": str(e)}, status_code=503)
 
     @app.get("/health")
     async def health() -> Any:
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": HealthStatus.DRAINING}, status_code=503)
         try:
-            await state.engine.ask("ping")
+            await state.engine.ask(CtrlOp.PING)
         except EngineUnavailable as e:
             return unavailable(e)
-        return {"status": "ok"}
+        return {"status": HealthStatus.OK}
 
     @app.get("/server_info")
     async def server_info() -> Any:
         try:
-            reply = await state.engine.ask("server_info")
+            reply = await state.engine.ask(CtrlOp.SERVER_INFO)
         except EngineUnavailable as e:
             return unavailable(e)
         return {
@@ -335,7 +336,7 @@ def build_app(state: FrontState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         try:
-            reply = await state.engine.ask("stats")
+            reply = await state.engine.ask(CtrlOp.STATS)
             stats, stages, up = reply["stats"], reply.get("stages"), True
         except EngineUnavailable:
             stats, stages, up = {}, None, False
@@ -391,7 +392,7 @@ async def _drain(state: FrontState, server: uvicorn.Server) -> None:
     state.draining = True
     t0 = time.monotonic()
     try:
-        reply = await state.engine.ask("drain")
+        reply = await state.engine.ask(CtrlOp.DRAIN)
         log.info(
             "draining: no new requests; %d in flight may finish within %gs, then the rest "
             "are aborted",
@@ -407,7 +408,7 @@ async def _drain(state: FrontState, server: uvicorn.Server) -> None:
                 )
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-            reply = await state.engine.ask("drain")
+            reply = await state.engine.ask(CtrlOp.DRAIN)
         else:
             log.info("drained in %.2fs", time.monotonic() - t0)
     except EngineUnavailable as e:
@@ -437,7 +438,7 @@ async def _register(
         while True:
             attempt += 1
             try:
-                await engine.ask("ping")
+                await engine.ask(CtrlOp.PING)
                 resp = await client.post(url, json=body, headers=headers)
                 if resp.is_success:
                     log.info("registered with %s as %s (%s)", url, config.url, config.role)

@@ -12,6 +12,7 @@ import msgspec
 
 from engine.engine import Engine, InFlight
 from engine.request import StepOutput
+from protocol.finish import FinishReason
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Generate, Prefill
 from protocol.tracing import StageSpans
@@ -35,7 +36,7 @@ class WorkerLoop(ABC):
     ``submit``/``abort`` as messages arrive, ``step`` whenever ``has_work``.
     Every submitted request ends with exactly one final ``TokenDelta``
     (``finish_reason`` set) returned by some later ``step``, whether it
-    finished, failed validation ("error") or was aborted ("abort").
+    finished, failed validation (ERROR) or was aborted (ABORT).
     Request-level failures never raise out of the loop.
     """
 
@@ -54,12 +55,12 @@ class WorkerLoop(ABC):
     @abstractmethod
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
         """Accept a request from requester ``client`` (a ZMQ identity). Invalid
-        requests are answered by an "error" delta from the next ``step``."""
+        requests are answered by an ERROR delta from the next ``step``."""
 
     @abstractmethod
     def abort(self, rid: str) -> None:
         """Stop request ``rid`` and free its pages; the next ``step`` returns its
-        final "abort" delta. Unknown or finished ids are ignored."""
+        final ABORT delta. Unknown or finished ids are ignored."""
 
     @abstractmethod
     def step(self) -> list[tuple[bytes, TokenDelta]]:
@@ -196,11 +197,11 @@ def step_delta(r: StepOutput) -> TokenDelta:
 def error_delta(rid: str, message: str, param: str | None = None) -> TokenDelta:
     """A failed request's final delta; ``param``: the request's own parameter
     at fault, when it is the request that is wrong."""
-    return TokenDelta(rid, [], [], "error", 0, message, error_param=param)
+    return TokenDelta(rid, [], [], FinishReason.ERROR, 0, message, error_param=param)
 
 
 def abort_delta(rid: str, num_cached_tokens: int = 0) -> TokenDelta:
-    return TokenDelta(rid, [], [], "abort", num_cached_tokens)
+    return TokenDelta(rid, [], [], FinishReason.ABORT, num_cached_tokens)
 
 
 class Outbox:

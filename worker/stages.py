@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from protocol.finish import ENDED, FinishReason
 from protocol.prometheus import HistogramFamily
 from protocol.stages import (
     FINISHED,
@@ -38,7 +39,7 @@ from protocol.tracing import StageSpans
 
 log = logging.getLogger("worker.stages")
 
-_ENDED_WELL = frozenset({"stop", "length", "prefill_done"})
+_ENDED_WELL = ENDED | {FinishReason.PREFILL_DONE}
 """Final reasons whose requests count in the histograms (not aborts or errors)."""
 
 
@@ -174,7 +175,7 @@ class StageBook:
                 format_durations(spans),
             )
         if self.spans is not None:
-            attrs = {"role": self.role, "finish_reason": reason}
+            attrs = {"role": self.role, "finish_reason": str(reason)}  # a plain str
             if room:
                 attrs["room"] = room
             try:

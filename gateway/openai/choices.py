@@ -15,6 +15,7 @@ from gateway.openai.errors import APIError, request_timeout
 from gateway.stages import RequestTrace, current_trace
 from gateway.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from protocol.client import WorkerError
+from protocol.finish import FAILED, FinishReason
 from protocol.sampling import SamplingParams
 from protocol.to_gateway import TokenDelta
 
@@ -69,7 +70,7 @@ async def choice_stream(
     ``trace`` collects the choice's stages (the dispatcher finds it in
     ``current_trace``, set for the task that runs this stream).
     ``error_params``: the request field behind each parameter a worker can
-    refuse (a delta's ``error_param``: "prompt", a sampling parameter); such a
+    refuse (a delta's ``error_param``: PROMPT_PARAM, a sampling parameter); such a
     refusal is a 400 naming that field (it would fail on any worker: no
     retry can help). A worker's failure is a 502."""
     detok = IncrementalDetokenizer(tokenizer)
@@ -79,8 +80,8 @@ async def choice_stream(
     try:
         async for delta in stream:
             finish = delta.finish_reason
-            if finish is not None and finish in ("error", "abort"):
-                fault = delta.error_param if finish == "error" else None
+            if finish is not None and finish in FAILED:
+                fault = delta.error_param if finish == FinishReason.ERROR else None
                 if fault is not None:
                     param = (error_params or {}).get(fault, fault)
                     error = delta.error or "invalid"
@@ -103,7 +104,7 @@ async def choice_stream(
                         text,
                         delta.token_ids[:kept],
                         delta.logprobs[:kept],
-                        "stop",
+                        FinishReason.STOP,
                         delta.num_cached_tokens,
                         tops[:kept] if tops is not None else None,
                         prompt_logprobs=_prompt_logprobs(delta),

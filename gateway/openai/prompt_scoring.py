@@ -20,6 +20,7 @@ from typing import Any
 
 from gateway.openai.choices import ChoiceEvent
 from gateway.openai.shapes import CompletionShape, ResponseShape
+from protocol.finish import FinishReason
 
 LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
@@ -84,5 +85,5 @@ async def prompt_only(events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[Choic
                 token_ids=[],
                 logprobs=[],
                 top_logprobs=None,
-                finish_reason=None if ev.finish_reason is None else "length",
+                finish_reason=None if ev.finish_reason is None else FinishReason.LENGTH,
             )

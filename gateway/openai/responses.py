@@ -12,6 +12,7 @@ from gateway.openai.choices import ChoiceEvent, join_events
 from gateway.openai.prompt_scoring import with_prompt_logprobs
 from gateway.openai.shapes import ResponseShape
 from gateway.openai.tools import whole_tool_calls
+from protocol.finish import FinishReason
 
 
 def now() -> int:
@@ -69,7 +70,7 @@ def full_response(ctx: ResponseContext, results: list[list[ChoiceEvent]]) -> dic
     for index, (ids, events) in enumerate(zip(ctx.choice_prompts, results)):
         text = "".join(e.text for e in events)
         toks, lps, tops = join_events(events)
-        finish = events[-1].finish_reason if events else "stop"
+        finish = events[-1].finish_reason if events else FinishReason.STOP
         counts.append(len(toks))
         cached.append(
             max((e.cached_tokens for e in events), default=0) if ctx.reports_cache(index) else 0

@@ -17,6 +17,7 @@ from gateway.openai.choices import ChoiceEvent
 from gateway.openai.errors import APIError
 from gateway.openai.structured import Constraint
 from gateway.text.tool_parsers import PARSERS, ForcedToolParser, ToolCallParser, merge_deltas
+from protocol.finish import FinishReason
 from protocol.sampling import GrammarSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -182,9 +183,9 @@ async def tool_call_events(
             text, deltas = parser.feed(ev.text)
             finish = ev.finish_reason
             if finish is not None:
-                rest, more = parser.finish(cut=finish == "length")
+                rest, more = parser.finish(cut=finish == FinishReason.LENGTH)
                 text, deltas = text + rest, deltas + more
-            if finish == "stop" and parser.num_calls:
+            if finish == FinishReason.STOP and parser.num_calls:
                 finish = "tool_calls"
             calls = [d.to_openai() for d in merge_deltas(deltas)]
             yield ev._replace(text=text, finish_reason=finish, tool_calls=calls or None)
