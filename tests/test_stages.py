@@ -9,16 +9,18 @@ import asyncio
 import json
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import pytest
 
 from gateway.metrics import GatewayMetrics, RequestTiming
-from gateway.openai.choices import ChoiceEvent, until
+from gateway.openai.choices import ChoiceEvent, collect_choices
+from gateway.openai.errors import APIError
 from gateway.openai.responses import ResponseContext
 from gateway.openai.shapes import ChatShape, CompletionShape
-from gateway.openai.sse import StreamWriter
+from gateway.openai.sse import StreamWriter, sse_stream
 from gateway.stages import RequestTrace, StageMetrics
 from protocol import stages as st
 from protocol import to_gateway
@@ -273,31 +275,98 @@ def test_itl_counts_every_token_of_a_merged_event() -> None:
     assert metrics.ttft.n == 1 and metrics.itl.n == 3
 
 
-def test_until_interrupts_only_the_wait() -> None:
-    async def slow_source() -> Any:
-        yield 0, ChoiceEvent("a", [1], [0.0], None, 0)
+async def _slow_source(swallow_cancel: bool = False) -> Any:
+    """One event, a long wait, another event. ``swallow_cancel``: a source
+    below that loses a cancel of the wait and yields on (then waits again)."""
+    yield ChoiceEvent("a", [1], [0.0], None, 0)
+    try:
         await asyncio.sleep(10)
-        yield 0, ChoiceEvent("b", [2], [0.0], None, 0)
+    except asyncio.CancelledError:
+        if not swallow_cancel:
+            raise
+    yield ChoiceEvent("b", [2], [0.0], None, 0)
+    await asyncio.sleep(10)
+    yield ChoiceEvent("c", [3], [0.0], FinishReason.LENGTH, 0)
 
+
+def _sse(source: Any, timeout_s: float) -> AsyncIterator[str]:
+    shape = CompletionShape(_Tok(), None)  # type: ignore[arg-type]
+    return sse_stream(
+        _ctx(shape),
+        [source],
+        include_usage=False,
+        metrics=GatewayMetrics(),
+        timeout_s=timeout_s,
+        started=time.monotonic(),
+    )
+
+
+def _texts(chunks: list[str]) -> list[str]:
+    """What each SSE event is: the text of a chunk, the error code, or DONE."""
+    out = []
+    for chunk in chunks:
+        data = chunk.removeprefix("data: ").strip()
+        if data == "[DONE]":
+            out.append("DONE")
+            continue
+        body = json.loads(data)
+        out.append(body["error"]["code"] if "error" in body else body["choices"][0]["text"])
+    return out
+
+
+def test_stream_deadline_interrupts_only_the_wait() -> None:
     async def consumer_busy_past_the_deadline() -> list[str]:
-        got = []
-        with pytest.raises(TimeoutError):
-            async for _, ev in until(slow_source(), time.monotonic() + 0.05):
-                got.append(ev.text)
-                await asyncio.sleep(0.1)  # the deadline passes here: not interrupted
-        return got
-
-    assert asyncio.run(consumer_busy_past_the_deadline()) == ["a"]
-
-    async def waiting_at_the_deadline() -> float:
-        t0 = time.monotonic()
-        with pytest.raises(TimeoutError):
-            async for _ in until(slow_source(), t0 + 0.05):
-                pass
+        chunks = []
+        async for chunk in _sse(_slow_source(), 0.05):
+            chunks.append(chunk)
+            await asyncio.sleep(0.1)  # the deadline passes here: not interrupted
         assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        return _texts(chunks)
+
+    assert asyncio.run(consumer_busy_past_the_deadline()) == ["a", "timeout", "DONE"]
+
+    async def waiting_at_the_deadline() -> tuple[list[str], float]:
+        t0 = time.monotonic()
+        chunks = [chunk async for chunk in _sse(_slow_source(), 0.05)]
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        return _texts(chunks), time.monotonic() - t0
+
+    texts, took = asyncio.run(waiting_at_the_deadline())
+    assert texts == ["a", "timeout", "DONE"] and took < 5
+
+    async def cancel_lost_below() -> tuple[list[str], float]:
+        t0 = time.monotonic()
+        chunks = [chunk async for chunk in _sse(_slow_source(swallow_cancel=True), 0.05)]
+        return _texts(chunks), time.monotonic() - t0
+
+    texts, took = asyncio.run(cancel_lost_below())
+    assert texts == ["a", "timeout", "DONE"] and took < 5  # "b" is not read
+
+
+def test_collect_choices_times_out_the_wait_and_a_lost_cancel() -> None:
+    async def collect(source: Any, timeout_s: float) -> tuple[APIError, float]:
+        t0 = time.monotonic()
+        timing = RequestTiming(GatewayMetrics(), 1, t0)
+        with pytest.raises(APIError) as e:
+            await collect_choices([source], timing, timeout_s)
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        return e.value, time.monotonic() - t0
+
+    for swallow in (False, True):
+        error, took = asyncio.run(collect(_slow_source(swallow), 0.05))
+        assert error.status == 504 and took < 5, swallow
+
+    async def cancelled_from_outside() -> float:
+        timing = RequestTiming(GatewayMetrics(), 1, time.monotonic())
+        task = asyncio.ensure_future(collect_choices([_slow_source(True)], timing, 60))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task  # at the next event: the source lost the cancel
         return time.monotonic() - t0
 
-    assert asyncio.run(waiting_at_the_deadline()) < 5
+    assert asyncio.run(cancelled_from_outside()) < 5
 
 
 def test_trace_finish_observes_gateway_and_worker_stages() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple
 
@@ -276,103 +275,30 @@ def choice_events(
 async def collect_choices(
     gens: list[AsyncIterator[ChoiceEvent]], timing: RequestTiming, timeout_s: float
 ) -> list[list[ChoiceEvent]]:
-    """Every event of every choice, per choice; a 504 ``APIError`` past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    """Every event of every choice, per choice; a 504 ``APIError`` past ``timeout_s``.
+
+    A plain timeout serves here: nothing runs between two waits for an event
+    but this loop's own code, so only a wait can be interrupted (a streamed
+    response, whose writer holds control between its waits, has
+    ``gateway.openai.sse.StreamDeadline``). A cancel that a source below lost
+    (it caught the cancel and went on) still stops the reading at the next
+    event."""
+    task = asyncio.current_task()
+    assert task is not None
+    cancelling = task.cancelling()
     results: list[list[ChoiceEvent]] = [[] for _ in gens]
     try:
         async with contextlib.aclosing(choice_events(gens)) as events:
-            async for i, ev in until(events, deadline):
-                timing.observe(i, len(ev.token_ids))
-                results[i].append(ev)
+            async with asyncio.timeout(timeout_s):
+                async for i, ev in events:
+                    if task.cancelling() > cancelling:
+                        # Lost below us; the timeout makes its own a TimeoutError.
+                        raise asyncio.CancelledError
+                    timing.observe(i, len(ev.token_ids))
+                    results[i].append(ev)
     except TimeoutError:
         raise request_timeout(timeout_s) from None
     return results
-
-
-class StreamDeadline:
-    """The deadline of a stream whose events the current task reads.
-
-    Invariant: the deadline only ever interrupts the wait for the next event.
-    A timeout around a loop that yields would also fire while the consumer
-    (the response writer) holds control, cancelling it instead of us: the
-    stream would then end without its error event and ``[DONE]``. One timer
-    serves the whole stream: when it fires during a wait (``waiting``) it
-    cancels the task (as ``asyncio.timeout`` does), otherwise the next wait
-    does not begin (``expired``).
-
-    Invariant: a cancelled task stops reading at the next event even when a
-    source below lost the cancellation (a stream that catches it and yields
-    on): the events are read in the task itself, and a client that left must
-    still close its requests at once.
-
-    A reader (``until``; the response writer, inline) checks ``expired``
-    before each wait, sets ``waiting`` around it, asks ``timed_out`` when the
-    wait was cancelled or a cancel was lost below (``task.cancelling()``
-    above ``cancelling``), and ``close``s the deadline when it stops."""
-
-    __slots__ = ("task", "cancelling", "expired", "waiting", "_timer")
-
-    def __init__(self, deadline: float) -> None:
-        """``deadline``: on the ``time.monotonic`` clock."""
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
-        self.cancelling = task.cancelling()
-        """The task's cancel requests from before: not the stream's to handle."""
-        self.expired = False
-        self.waiting = False
-        self._timer = asyncio.get_running_loop().call_at(_loop_time(deadline), self._fire)
-
-    def _fire(self) -> None:
-        self.expired = True
-        if self.waiting:
-            self.task.cancel()
-
-    def timed_out(self) -> bool:
-        """A cancel reached the reader: whether it was the deadline's (its
-        request is then withdrawn: the caller raises ``TimeoutError``)."""
-        return self.expired and self.task.uncancel() <= self.cancelling
-
-    def close(self) -> None:
-        self._timer.cancel()
-
-
-async def until(
-    events: AsyncIterator[tuple[int, ChoiceEvent]], deadline: float
-) -> AsyncIterator[tuple[int, ChoiceEvent]]:
-    """``events`` until the monotonic ``deadline``, then ``TimeoutError``
-    (see ``StreamDeadline`` for when it interrupts)."""
-    limit = StreamDeadline(deadline)
-    task, cancelling = limit.task, limit.cancelling
-    it = aiter(events)
-    try:
-        while True:
-            if limit.expired:
-                raise TimeoutError
-            limit.waiting = True
-            try:
-                item = await anext(it)
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if limit.timed_out():
-                    raise TimeoutError from None
-                raise
-            finally:
-                limit.waiting = False
-            if task.cancelling() > cancelling:  # a cancel was lost below us
-                if limit.timed_out():
-                    raise TimeoutError
-                raise asyncio.CancelledError
-            yield item
-    finally:
-        limit.close()
-
-
-def _loop_time(monotonic_deadline: float) -> float:
-    """A ``time.monotonic`` deadline on the event loop's clock."""
-    loop = asyncio.get_running_loop()
-    return loop.time() + (monotonic_deadline - time.monotonic())
 
 
 def join_events(events: list[ChoiceEvent]) -> tuple[list[int], list[float], TopLogprobs]:

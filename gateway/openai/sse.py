@@ -15,7 +15,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from gateway.metrics import GatewayMetrics, RequestTiming
-from gateway.openai.choices import ChoiceEvent, StreamDeadline, join_events, merge_choices
+from gateway.openai.choices import ChoiceEvent, join_events, merge_choices
 from gateway.openai.errors import APIError, internal_error, request_timeout
 from gateway.openai.prompt_scoring import wants_prompt_logprobs, with_prompt_logprobs
 from gateway.openai.responses import ResponseContext, now, usage
@@ -57,6 +57,57 @@ class ClosingStreamingResponse(StreamingResponse):
 
 def error_event(error: APIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
+
+
+class StreamDeadline:
+    """The deadline of a streamed response, whose events the writer reads in
+    its own task (``sse_stream``).
+
+    Invariant: the deadline only ever interrupts the wait for the next event.
+    A timeout around a loop that yields would also fire while the consumer
+    (the server, sending the chunk) holds control, cancelling it instead of
+    us: the stream would then end without its error event and ``[DONE]``. One
+    timer serves the whole stream: when it fires during a wait (``waiting``)
+    it cancels the task (as ``asyncio.timeout`` does), otherwise the next wait
+    does not begin (``expired``).
+
+    Invariant: a cancelled task stops reading at the next event even when a
+    source below lost the cancellation (a stream that catches it and yields
+    on): the events are read in the task itself, and a client that left must
+    still close its requests at once.
+
+    The reader checks ``expired`` before each wait, sets ``waiting`` around
+    it, asks ``timed_out`` when the wait was cancelled or a cancel was lost
+    below (``task.cancelling()`` above ``cancelling``), and ``close``s the
+    deadline when it stops. Inline, not a generator around the events: the
+    reader runs once per token."""
+
+    __slots__ = ("task", "cancelling", "expired", "waiting", "_timer")
+
+    def __init__(self, deadline: float) -> None:
+        """``deadline``: on the ``time.monotonic`` clock."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.cancelling = task.cancelling()
+        """The task's cancel requests from before: not the stream's to handle."""
+        self.expired = False
+        self.waiting = False
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + (deadline - time.monotonic()), self._fire)
+
+    def _fire(self) -> None:
+        self.expired = True
+        if self.waiting:
+            self.task.cancel()
+
+    def timed_out(self) -> bool:
+        """A cancel reached the reader: whether it was the deadline's (its
+        request is then withdrawn: the caller raises ``TimeoutError``)."""
+        return self.expired and self.task.uncancel() <= self.cancelling
+
+    def close(self) -> None:
+        self._timer.cancel()
 
 
 class _ChoiceProgress:
@@ -211,8 +262,7 @@ async def sse_stream(
         yield chunk
     # One choice is read as it is (its events are choice 0's); several are
     # merged (a task and a queue each). Either way the events are read in
-    # this task, under the stream's deadline, written out inline rather than
-    # through ``until``: this loop runs once per token.
+    # this task, under the stream's deadline (``StreamDeadline``).
     single = len(gens) == 1
     source = gens[0] if single else merge_choices(gens)
     try:
