@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -621,13 +622,18 @@ _DIRECT_CASES: list[tuple[str, str, bytes, str | None]] = [
 ]
 
 
-def _comparable(resp: httpx.Response) -> tuple[int, str, Any]:
-    body: Any = resp.text
-    with contextlib.suppress(ValueError):
-        body = resp.json()
-        if isinstance(body, dict):
-            body = {k: v for k, v in body.items() if k not in ("id", "created")}
-    return resp.status_code, resp.headers.get("content-type", ""), body
+_RESPONSE_ID = re.compile(rb'"id": ?"(chatcmpl|cmpl)-[0-9a-f]{24}"')
+_CREATED = re.compile(rb'"created": ?[0-9]+')
+_HEADERS = ("content-type", "content-length", "transfer-encoding", "retry-after", "cache-control")
+"""The response headers a client acts on."""
+
+
+def _comparable(resp: httpx.Response) -> tuple[int, dict[str, str | None], bytes]:
+    """The status, the headers that matter and the body, byte for byte but
+    for the response's id and timestamp (streamed: in every event)."""
+    body = _RESPONSE_ID.sub(b'"id": "ID"', resp.content)
+    body = _CREATED.sub(b'"created": 0', body)
+    return resp.status_code, {h: resp.headers.get(h) for h in _HEADERS}, body
 
 
 @pytest.fixture(scope="module")
@@ -690,13 +696,70 @@ def test_direct_routes_answer_as_fastapi_does(
     assert served == ([path] if taken else [])
 
 
-def test_direct_route_unexpected_failure_is_the_same_500(
-    direct_and_reference: tuple[App, App, list[str]],
+@pytest.mark.parametrize("stream", [False, True])
+def test_direct_route_unexpected_failure_is_the_same(
+    direct_and_reference: tuple[App, App, list[str]], stream: bool
 ) -> None:
+    """The same 500; streamed, the same error event in a 200 and [DONE]."""
     direct, reference, _ = direct_and_reference
     answers = []
     for app in (direct, reference):
         app.dispatcher.explode = True
-        answers.append(_comparable(app.complete(prompt="Hello", max_tokens=2)))
+        answers.append(_comparable(app.complete(prompt="Hello", max_tokens=2, stream=stream)))
     assert answers[0] == answers[1]
-    assert answers[0][0] == 500 and answers[0][2]["error"]["code"] == "internal_error"
+    status, _, body = answers[0]
+    assert status == (200 if stream else 500), body
+    assert re.search(rb'"code": ?"internal_error"', body), body
+    assert body.endswith(b"data: [DONE]\n\n") == stream
+
+
+_STREAMED = [
+    ("/v1/completions", {**GOOD_COMPLETION, "stream": True}),
+    (
+        "/v1/completions",
+        {
+            **GOOD_COMPLETION,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": 2,
+            "echo": True,
+            "return_token_ids": True,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "stream": True, "stop": ["o"]},
+    ),
+    ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES, "stream": True}),
+    ("/v1/completions", {**GOOD_COMPLETION, "stream": True, "n": 0}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), _STREAMED, ids=lambda x: json.dumps(x)[:40])
+def test_direct_routes_stream_as_fastapi_does(
+    direct_and_reference: tuple[App, App, list[str]], path: str, body: dict[str, Any]
+) -> None:
+    """A streamed response's events, byte for byte but for its id and
+    timestamp, and its refusals, are the same on both paths."""
+    direct, reference, served = direct_and_reference
+    served.clear()
+    got = direct.http.post(path, json=body)
+    want = reference.http.post(path, json=body)
+    assert _comparable(got) == _comparable(want)
+    assert served == [path]
+    if got.status_code == 200:
+        assert got.text.endswith("data: [DONE]\n\n"), got.text
