@@ -16,22 +16,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import write_record
+from benchmarks.common import machine, write_record
 from engine.config import EngineConfig, resolve_device
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
 from engine.runner import ModelRunner
 from engine.sampling import SamplingBatch
-from harness.host import host_info
 from protocol.sampling import SamplingParams
-
-
-def machine_info(device: str) -> dict:
-    info = {**host_info(), "torch": torch.__version__}
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
 
 
 def sync(device: str) -> None:
@@ -203,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     stem = f"engine-{name.replace('/', '_')}"
     write_record(
-        "benchmarks.bench_engine", argv, body, args.output_file, stem, machine_info(args.device)
+        "benchmarks.bench_engine", argv, body, args.output_file, stem, machine(args.device)
     )
 
 

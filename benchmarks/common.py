@@ -22,6 +22,17 @@ def command(module: str, argv: Sequence[str] | None = None) -> str:
     return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
+def machine(device: str = "cuda") -> dict[str, Any]:
+    """The host's facts, the torch version, and the GPU's name when ``device``
+    is a CUDA device (imports torch: for the tools that run a model or kernel)."""
+    import torch
+
+    info = {**host_info(), "torch": torch.__version__}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
 def write_record(
     module: str,
     argv: Sequence[str] | None,

@@ -49,13 +49,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_record
+from benchmarks.common import machine, write_record
 from engine.config import EngineConfig
 from engine.engine import Engine, InFlight
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.runner import ModelRunner
 from engine.sampling import SamplingBatch, sample
-from harness.host import host_info
 from protocol.sampling import SamplingParams
 
 TOOL = "benchmarks.profile"
@@ -100,10 +99,6 @@ def make_engine(args: argparse.Namespace) -> Engine:
     )
     engine.runner.pool.kv.normal_()  # timing on zeros can flatter the kernels
     return engine
-
-
-def machine() -> dict[str, Any]:
-    return {**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
 
 
 # -- step: one decode step taken apart --------------------------------------------------
@@ -267,7 +262,7 @@ def run_step(args: argparse.Namespace, argv: list[str] | None) -> None:
         "results": rows,
     }
     stem = f"profile-step-{Path(args.model).name}"
-    write_record(TOOL, argv, body, args.output_file, stem, machine())
+    write_record(TOOL, argv, body, args.output_file, stem, machine(args.device))
 
 
 # -- loop: the engine's overlap loop -----------------------------------------------------
@@ -420,7 +415,7 @@ def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
         print(b, json.dumps(brief), flush=True)
     body = {"model": args.model, "results": results}
     stem = f"profile-loop-{Path(args.model).name}"
-    write_record(TOOL, argv, body, args.output_file, stem, machine())
+    write_record(TOOL, argv, body, args.output_file, stem, machine(args.device))
 
 
 # -- command line ---------------------------------------------------------------------

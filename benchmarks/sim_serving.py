@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_record
-from engine.config import EngineConfig
+from benchmarks.common import machine, write_record
+from engine.config import EngineConfig, resolve_device
 from engine.engine import Engine
-from harness.host import host_info
 from protocol.sampling import SamplingParams
 
 
@@ -170,16 +169,13 @@ def main(argv: list[str] | None = None) -> None:
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    machine = {**host_info(), "torch": torch.__version__}
-    if torch.cuda.is_available() and args.device != "cpu":
-        machine["gpu"] = torch.cuda.get_device_name()
     write_record(
         "benchmarks.sim_serving",
         argv,
         {"model": args.model or "tiny (built-in)", "rows": rows},
         args.output_file,
         f"sim-serving-{Path(args.model).name if args.model else 'tiny'}",
-        machine=machine,
+        machine(resolve_device(args.device)),
     )
 
 

@@ -29,8 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from benchmarks.common import write_record
-from harness.host import host_info
+from benchmarks.common import machine, write_record
 
 KERNELS = ("cuda-core", "fa2", "fa3")
 LAYOUTS = ("NHD", "HND")
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         {"shape": {**vars(args), "variants": [str(v) for v in args.variants]}, "rows": rows},
         args.output_file,
         "attention-decode",
-        machine={**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
+        machine(args.device),
     )
 
 

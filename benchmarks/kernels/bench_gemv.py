@@ -32,11 +32,10 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from benchmarks.common import write_record
+from benchmarks.common import machine, write_record
 from engine.layers import gemv, skinny
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
-from harness.host import host_info
 
 L2_BYTES = 400e6
 """Weights rotated per timed call: more than the H200's 50 MB L2, many times over."""
@@ -295,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         {"model": args.model, "rows": rows, "few_rows": many},
         args.output_file,
         f"gemv-{args.model}",
-        machine={**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
+        machine(),
     )
 
 

@@ -48,12 +48,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_record
+from benchmarks.common import machine, write_record
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar import GrammarBackend
 from engine.runner import ForwardOutput
-from harness.host import host_info
 from protocol.sampling import GrammarSpec, SamplingParams
 
 TOOL = "benchmarks.kernels.bench_grammar"
@@ -320,14 +319,7 @@ def mask_only(args: argparse.Namespace, argv: list[str] | None) -> None:
         + ", ".join(f"{k} {med[k]:.3f}" for k in keys)
         + f"; total {sum(med.values()):.3f}"
     )
-    write_record(TOOL, argv, body, args.output_file, "grammar-mask", machine_info(args.device))
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    machine = host_info()
-    if device.startswith("cuda"):
-        machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return machine
+    write_record(TOOL, argv, body, args.output_file, "grammar-mask", machine(args.device))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -427,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     print(describe("free", free))
     print(describe("json_schema", constrained))
     stem = f"grammar-{Path(str(args.model or 'tiny')).name}"
-    write_record(TOOL, argv, body, args.output_file, stem, machine_info(args.device))
+    write_record(TOOL, argv, body, args.output_file, stem, machine(args.device))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_record
+from benchmarks.common import machine, write_record
 from engine.sampling import SampleOutput, SamplingBatch, sample, sample_torch
-from harness.host import host_info
 from protocol.sampling import SamplingParams
 
 CASES: dict[str, list[SamplingParams]] = {
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         {"shape": vars(args), "rows": rows_out},
         args.output_file,
         "sampling",
-        machine={**host_info(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name()},
+        machine(args.device),
     )
 
 
