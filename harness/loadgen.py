@@ -1,4 +1,4 @@
-"""The load generator of the serving benchmark (``benchmarks/bench_serving.py``):
+"""The load generator of the serving benchmark (``python -m benchmarks.bench_serving``):
 workloads, arrival times, sending streamed requests and timing their chunks,
 and the metrics vLLM's and SGLang's serving benchmarks report.
 

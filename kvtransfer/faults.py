@@ -1,5 +1,5 @@
 """Fault injection on the tcp KV data channel, for the fault matrix
-(``benchmarks/fault_matrix.py``) only. Off unless ``DISAGG_KV_FAULT_FILE``
+(``python -m benchmarks.fault_matrix``, ``harness/fault_matrix.py``) only. Off unless ``DISAGG_KV_FAULT_FILE``
 names a file; nothing here runs in a normal worker.
 
 The file holds one command, re-read whenever it changes (so faults can be

@@ -328,7 +328,7 @@ def test_merge_holds_a_whole_decode_stream_in_one_final_delta() -> None:
     """Decode's whole stream, merged into one final delta (the gateway fell
     behind and its client merges what piled up), is read before prefill's
     first token: a success, not a refusal; prefill's token still goes first
-    (it was dropped, found by benchmarks/fault_matrix.py)."""
+    (it was dropped, found by the fault matrix)."""
 
     async def go() -> None:
         run = MergeRun()

@@ -56,7 +56,7 @@ _TILES: dict[tuple[str, int], Tiles | None] = {
     ("wide", 64): Tiles(128, 64, 1, 4, 4),
 }
 """(kind of weight, input-row tile) -> tiles; None: cuBLAS was as fast. Measured
-on an H200 over Llama-3.1-8B's shapes (``benchmarks/bench_gemv.py --rows``):
+on an H200 over Llama-3.1-8B's shapes (``python -m benchmarks.kernels.bench_gemv --rows``):
 "small" is a matrix of at most 8192 x 4096 (QKV, o), "long_k" one with K of
 8192 or more (down), "wide" the rest (gate/up, LM head). Each entry fits the
 SM's shared memory at its own row tile only."""
