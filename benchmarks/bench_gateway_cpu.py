@@ -53,6 +53,7 @@ from harness.cluster import gateway_cmd
 from harness.host import git_commit, host_info
 from harness.procs import Proc, free_port
 from protocol import to_gateway, to_worker, tokenizer_files
+from protocol.finish import FinishReason
 from protocol.roles import BOTH
 from protocol.to_gateway import TokenDelta, Tokens
 from protocol.to_worker import Abort, Generate
@@ -212,7 +213,7 @@ class FakeWorker:
                 start = len(self.streams) % len(self.token_ids)
                 self.streams[msg.rid] = _Stream(client, msg.sampling.max_tokens, start)
             elif isinstance(msg, Abort) and self.streams.pop(msg.rid, None) is not None:
-                delta = TokenDelta(msg.rid, [], [], "abort", 0)
+                delta = TokenDelta(msg.rid, [], [], FinishReason.ABORT, 0)
                 await self._sock.send_multipart(
                     [client, to_gateway.encoder.encode(Tokens([delta]))]
                 )
@@ -232,7 +233,7 @@ class FakeWorker:
             frames: dict[bytes, list[TokenDelta]] = {}
             for rid, s in list(self.streams.items()):
                 s.left -= 1
-                finish = "length" if s.left <= 0 else None
+                finish = FinishReason.LENGTH if s.left <= 0 else None
                 frames.setdefault(s.client, []).append(
                     TokenDelta(rid, [ids[s.pos % n]], [-0.25], finish, 0)
                 )

@@ -67,6 +67,7 @@ from kvtransfer.backend import TransferState
 from kvtransfer.layout import page_ranges
 from protocol.auth import keys_for
 from protocol.client import WorkerClient, WorkerError
+from protocol.finish import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.stages import DONE_RECEIVED, FIRST_TOKEN, FORWARD_STARTED
 from protocol.to_gateway import TokenDelta
@@ -278,7 +279,7 @@ def request_waits(
     requester's first-token gap (None when a side failed or lacks a stamp)."""
     if not prefill or not decode or first_gap_s is None:
         return None
-    if prefill[-1].finish_reason == "error" or decode[-1].finish_reason == "error":
+    if FinishReason.ERROR in (prefill[-1].finish_reason, decode[-1].finish_reason):
         return None
     p, d = prefill[-1].stages or {}, decode[-1].stages or {}
     if FIRST_TOKEN not in p or DONE_RECEIVED not in d or FORWARD_STARTED not in d:

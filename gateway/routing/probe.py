@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from protocol import tokenizer_files
+from protocol.health import HealthStatus
 
 TOKENIZER_TIMEOUT_S = 30.0
 """HTTP timeout of ``GET /tokenizer`` (a large tokenizer.json is megabytes)."""
@@ -68,7 +69,7 @@ class WorkerProbe:
         (and ``httpx.HTTPError`` when the call itself fails)."""
         resp = await self.http().get(f"{url}/health")
         if resp.status_code != 200:
-            if _json_status(resp) == "draining":
+            if _json_status(resp) == HealthStatus.DRAINING:
                 raise WorkerStopping(f"/health answered {resp.status_code}: draining")
             raise WorkerUnreachable(f"/health answered {resp.status_code}")
 
