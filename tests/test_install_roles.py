@@ -297,3 +297,27 @@ print("ok")
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-4000:]
+
+
+def test_without_torch_the_embedded_gateway_and_a_worker_say_what_to_install() -> None:
+    """torch made unfindable: ``python -m gateway`` with no workers given (it
+    would start its own) and ``python -m decode_server`` exit 1 with one line
+    naming the extra, before anything starts."""
+    code = """
+import importlib.util, runpy, sys
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "torch" else find_spec(name, *a)
+sys.argv = [sys.argv[1], "--port", "1"]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+    for module in ("gateway", "decode_server"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, module],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1, (module, out.stderr[-2000:])
+        assert len(lines) == 1 and "pip install 'disagg-serve[worker]'" in lines[0], out.stderr

@@ -17,6 +17,7 @@ from decode_server.room import DecodeState
 from decode_server.room import Room as DecodeRoom
 from engine.llm import LLM
 from engine.request import Request
+from kvtransfer.nixl import nixl_available
 from prefill_server.loop import PrefillLoop
 from prefill_server.room import PrefillState
 from prefill_server.room import Room as PrefillRoom
@@ -142,18 +143,10 @@ def assert_pool_back(
     assert free == start["free_pages"], (s, start)
 
 
-def _nixl_available() -> bool:
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 BACKENDS = [
     "tcp",
     pytest.param(
-        "nixl", marks=pytest.mark.skipif(not _nixl_available(), reason="nixl not installed")
+        "nixl", marks=pytest.mark.skipif(not nixl_available()[0], reason="nixl not installed")
     ),
 ]
 

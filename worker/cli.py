@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from protocol import settings
 from protocol.settings import CLUSTER_TOKEN_ENV as CLUSTER_TOKEN_ENV
 from worker.config import REGISTER_KEY_ENV as REGISTER_KEY_ENV
-from worker.config import WorkerConfig, flags
+from worker.config import WorkerConfig, flags, require_torch
 from worker.roles import Role
 
 
@@ -48,6 +48,7 @@ def main(
         config = config_from_args(ns)
     except ValueError as e:
         parser.error(str(e))
+    require_torch(f"{prog} runs an engine on torch")
     from worker.front import run_worker
 
     role = next(r for r in roles if r.name == config.role)

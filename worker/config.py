@@ -289,3 +289,15 @@ def flags() -> tuple[Flag, ...]:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def require_torch(what: str) -> None:
+    """Exit with one line saying how to install the worker's packages when
+    torch is missing (the base install is the gateway alone)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit(
+            f"{what}, but torch is not installed here: "
+            "pip install 'disagg-serve[worker]' (docs/install.md)"
+        )
