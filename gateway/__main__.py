@@ -69,12 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         if embedded is not None:
             from gateway.embedded import EmbeddedWorkers
-            from worker.config import require_torch
 
-            require_torch(
-                "with no --prefill/--decode (or --wait-for-workers) the gateway starts its "
-                "own prefill and decode workers, which run on torch"
-            )
             try:
                 emb = stack.enter_context(EmbeddedWorkers(embedded, cfg.cluster_token))
             except RuntimeError as e:  # its own log says why, above

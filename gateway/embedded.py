@@ -14,7 +14,7 @@ from typing import Any
 
 from protocol import settings
 from protocol.settings import CLUSTER_TOKEN_ENV, Flag, setting
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, require_torch
 from worker.processes import free_port, stop_processes, wait_http_ok
 
 log = logging.getLogger("gateway")
@@ -159,6 +159,10 @@ class EmbeddedWorkers:
         return [sys.executable, "-m", module, *worker.to_argv(), *c.extra_args]
 
     def __enter__(self) -> EmbeddedWorkers:
+        require_torch(
+            "with no --prefill/--decode (or --wait-for-workers) the gateway starts its "
+            "own prefill and decode workers, which run on torch"
+        )
         env = {**os.environ, CLUSTER_TOKEN_ENV: self.cluster_token}
         ports = (free_port(), free_port())
         prefill, decode, share = self.config.placement(cuda_device_count())
