@@ -4,6 +4,7 @@ the first token comes from prefill, the rest from decode, in order."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -109,6 +110,10 @@ class Dispatcher:
         """While no worker can take a request (none up yet, all down for a
         moment), a request waits this long for one before ``NoWorkerAvailable``."""
         self._clients: dict[str, WorkerClient] = {}
+        self._verifying: collections.Counter[str] = collections.Counter()
+        """Endpoints whose client a ``verify`` is using: ``prune`` keeps them
+        (a worker being admitted is not healthy yet, and the health round's
+        prune would otherwise close the client its check waits on)."""
 
     def _on_connection(self, endpoint: str, up: bool, reason: str) -> None:
         """Passive health: a worker whose request-plane connection dropped is
@@ -151,7 +156,7 @@ class Dispatcher:
             if (w.healthy or w.refused is not None) and w.request_endpoint
         }
         for endpoint, client in list(self._clients.items()):
-            if endpoint not in live and client.in_flight == 0:
+            if endpoint not in live and endpoint not in self._verifying and client.in_flight == 0:
                 del self._clients[endpoint]
                 await client.close()
 
@@ -171,8 +176,10 @@ class Dispatcher:
         ``gateway.routing.WorkerRefused`` when the handshake fails, and
         ``gateway.routing.WorkerUnreachable`` when no connection comes up
         within the connect timeout. (A health-check hook: ``HealthChecker.checks``.)"""
-        if not worker.request_endpoint:
+        endpoint = worker.request_endpoint
+        if not endpoint:
             raise routing.WorkerRefused("its /server_info names no request endpoint")
+        self._verifying[endpoint] += 1
         try:
             client = await self._client(worker)
             await client.ready()
@@ -182,6 +189,10 @@ class Dispatcher:
             raise routing.WorkerRefused(str(e)) from e
         except WorkerError as e:
             raise routing.WorkerUnreachable(f"its request plane: {e}") from e
+        finally:
+            self._verifying[endpoint] -= 1
+            if not self._verifying[endpoint]:
+                del self._verifying[endpoint]
 
     @property
     def endpoints(self) -> list[str]:

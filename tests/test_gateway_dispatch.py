@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 from workers import free_port
 
+from gateway import routing
 from gateway.dispatch import Dispatcher, NoWorkerAvailable, merge_prefill_decode
 from gateway.routing import Router, RouterConfig, WorkerInfo
 from protocol import to_gateway, to_worker
@@ -232,6 +233,33 @@ def test_prune_closes_clients_of_departed_workers() -> None:
             finally:
                 await d.close()
             assert len(a.requests) == 2 and len(b.requests) == 1
+
+    run(go())
+
+
+def test_prune_keeps_the_client_a_verify_waits_on() -> None:
+    """A worker being admitted is out of routing (not healthy) until its check
+    passes: a health round's prune meanwhile must not close the client the
+    check waits on (it did: "its request plane: client is closed")."""
+
+    async def go() -> None:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: ready() waits
+        router, (w,) = router_with(endpoint)
+        w.healthy = False
+        d = Dispatcher(router, timeout_s=10, connect_timeout_s=CONNECT_TIMEOUT_S)
+        try:
+            check = asyncio.create_task(d.verify(w))
+            while endpoint not in d.endpoints:
+                await asyncio.sleep(0.01)
+            await d.prune()
+            assert d.endpoints == [endpoint], "the client under a check was closed"
+            with pytest.raises(routing.WorkerUnreachable) as e:
+                await check
+            assert "closed" not in str(e.value), e.value
+            await d.prune()
+            assert d.endpoints == [], "with no check on it, an unhealthy worker's client goes"
+        finally:
+            await d.close()
 
     run(go())
 
