@@ -17,6 +17,7 @@ record this writes.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import time
 import timeit
 from collections.abc import Callable
@@ -117,7 +118,7 @@ def with_prometheus_client(number: int, repeat: int) -> dict[str, float] | None:
         ),
         "scrape": ns_per_call(lambda: pc.generate_latest(reg), max(number // 1000, 20), repeat),
         "scrape_lines": len(pc.generate_latest(reg).decode().splitlines()),
-        "version": pc.__version__ if hasattr(pc, "__version__") else "",
+        "version": importlib.metadata.version("prometheus-client"),
     }
 
 
