@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -111,6 +112,25 @@ def join_prompts(a: str | list[int], b: str | list[int]) -> str | list[int]:
         return f"{a} {b}"
     assert isinstance(a, list) and isinstance(b, list)
     return a + b
+
+
+def warmup_specs(requests: Sequence[RequestSpec], count: int, seed: int) -> list[RequestSpec]:
+    """``count`` warm-up requests shaped like the measured ones in turn (the
+    same prompt and output lengths, token ids or text) but drawn anew, so that
+    none shares a prefix with a measured prompt: a warm-up that sent measured
+    prompts would leave them in the server's prefix cache, and their TTFT would
+    be a cache hit's. Token ids come from the range the measured prompt uses."""
+    rng = random.Random(f"warmup-{seed}")
+    specs = []
+    for i in range(count):
+        src = requests[i % len(requests)]
+        if isinstance(src.prompt, str):
+            prompt: str | list[int] = random_prompt("text", len(src.prompt.split()), 0, rng)
+        else:
+            top = max(src.prompt, default=FIRST_TOKEN_ID) + 1
+            prompt = random_prompt("token-ids", len(src.prompt), max(top, FIRST_TOKEN_ID + 2), rng)
+        specs.append(RequestSpec(prompt, src.prompt_len, src.output_len))
+    return specs
 
 
 def sample_random(args: argparse.Namespace, kind: str, rng: random.Random) -> list[RequestSpec]:
@@ -323,12 +343,18 @@ class BenchConfig:
     api_key: str | None = None
     request_timeout_s: float = 3600.0
     warmup_requests: int = 0
+    """Requests sent and awaited before the timed ones: ``warmup_specs``, never
+    the measured prompts themselves."""
     seed: int = 0
     show_progress: bool = False
     http_client: str = "raw"
     """raw (harness/http_stream.py; http:// only) or httpx."""
     num_client_processes: int = 1
     """Client processes that split the requests (see ``benchmark``)."""
+
+    @functools.cached_property
+    def warmup(self) -> list[RequestSpec]:
+        return warmup_specs(self.requests, self.warmup_requests, self.seed)
 
     @property
     def path(self) -> str:
@@ -574,7 +600,8 @@ class Share:
     """When to send each, in seconds from the common start."""
     max_concurrency: int | None
     warmup: tuple[int, ...]
-    """Positions of the requests to send (and await) before the start."""
+    """Positions in ``BenchConfig.warmup`` of the requests to send (and await)
+    before the start."""
 
 
 def send_offsets(config: BenchConfig) -> list[float]:
@@ -595,7 +622,7 @@ def split_shares(config: BenchConfig, processes: int) -> list[Share]:
     for p in range(processes):
         indices = tuple(range(p, n, processes))
         concurrency = None if limit is None else limit // processes + (p < limit % processes)
-        warmup = tuple(i % n for i in range(p, config.warmup_requests, processes))
+        warmup = tuple(range(p, config.warmup_requests, processes))
         shares.append(Share(indices, tuple(offsets[i] for i in indices), concurrency, warmup))
     return shares
 
@@ -636,7 +663,7 @@ async def send_share(
 
     try:
         if share.warmup:
-            specs = [config.requests[i] for i in share.warmup]
+            specs = [config.warmup[i] for i in share.warmup]
             warm = await asyncio.gather(*(limited(s, sender.prepare(s)) for s in specs))
             sender.settle_all()
             if bad := [o for o in warm if not o.success]:

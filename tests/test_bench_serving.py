@@ -753,3 +753,28 @@ def test_compare_pd_smoke(tmp_path: Path) -> None:
     assert rows["Successful requests"] == ["4", "4"]
     assert rows["Failed requests"] == ["0", "0"]
     assert len(rows["Mean TTFT (ms)"]) == len(rows["Output token throughput (tok/s)"]) == 2
+
+
+def test_warmup_requests_are_shaped_like_the_measured_ones_but_share_no_prefix() -> None:
+    """Warm-ups must not put measured prompts into the server's prefix cache
+    (their TTFT would then be a cache hit's): same lengths and kind, other
+    tokens; deterministic for one seed."""
+    rng = random.Random(1)
+    measured = [
+        bench.RequestSpec([rng.randrange(10, 32000) for _ in range(n)], n, 7) for n in (64, 200)
+    ] + [bench.RequestSpec("the cat sat on the mat " * 5, 30, 9)]
+    cfg = bench.BenchConfig(base_url="http://x", model="m", requests=measured, warmup_requests=5)
+    warm = cfg.warmup
+    assert len(warm) == 5 and warm == bench.warmup_specs(measured, 5, cfg.seed)
+    for w, src in zip(warm, measured * 2):
+        assert (w.prompt_len, w.output_len, type(w.prompt)) == (
+            src.prompt_len,
+            src.output_len,
+            type(src.prompt),
+        )
+        if isinstance(w.prompt, list):
+            assert len(w.prompt) == len(src.prompt) and max(w.prompt) <= max(src.prompt)
+            assert all(w.prompt[:16] != m.prompt[:16] for m in measured)
+        else:
+            assert len(w.prompt.split()) == len(src.prompt.split())
+            assert all(w.prompt.split()[:16] != str(m.prompt).split()[:16] for m in measured)
