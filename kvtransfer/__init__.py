@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 TRANSFER_BACKENDS: dict[str, str] = {
     "tcp": "kvtransfer.tcp:TcpBackend",
     "nixl": "kvtransfer.nixl:NixlBackend",
+    "nccl": "kvtransfer.nccl:NcclBackend",
 }
 
 AUTO_BACKEND = "auto"

@@ -29,6 +29,7 @@ CALL_TIMEOUT_S = 60.0
 BACKEND_KWARGS: dict[str, dict[str, Any]] = {
     "tcp": {"timeout": 5.0, "chunk_bytes": 1000, "window": 3},
     "nixl": {"timeout": 5.0},
+    "nccl": {"timeout": 5.0},
 }
 
 
@@ -224,9 +225,9 @@ def test_check_ranges_and_nbytes() -> None:
 
 
 def test_registry() -> None:
-    assert set(TRANSFER_BACKENDS) == {"tcp", "nixl"}
+    assert set(TRANSFER_BACKENDS) == {"tcp", "nixl", "nccl"}
     assert backend_class("tcp").name == "tcp"
-    with pytest.raises(ValueError, match="choices: nixl, tcp"):
+    with pytest.raises(ValueError, match="choices: nccl, nixl, tcp"):
         make_backend("rdma", "x")
 
 
@@ -234,7 +235,7 @@ def test_registry() -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize("backend", ["tcp", "nixl", "nccl"])
 def test_transfer_byte_exact(spawn: Any, backend: str, page_size: int) -> None:
     require(backend)
     cfg = pool_config(page_size)
@@ -263,7 +264,7 @@ def test_transfer_byte_exact(spawn: Any, backend: str, page_size: int) -> None:
     assert torch.equal(dst.call("dump"), expect)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize("backend", ["tcp", "nixl", "nccl"])
 def test_large_contiguous_transfer(spawn: Any, backend: str) -> None:
     """32 MiB pool, one 31.5 MiB range: tcp splits it into default-size frames."""
     require(backend)
@@ -286,13 +287,15 @@ def _forge_size(backend: str, metadata: bytes, nbytes: int) -> bytes:
     writer's own bounds check passes and the receiver must refuse."""
     if backend == "tcp":
         from kvtransfer.tcp import TcpMetadata as Meta
+    elif backend == "nccl":
+        from kvtransfer.nccl import NcclMetadata as Meta
     else:
         from kvtransfer.nixl import NixlMetadata as Meta
     meta = msgspec.msgpack.decode(metadata, type=Meta)
     return msgspec.msgpack.encode(msgspec.structs.replace(meta, nbytes=nbytes))
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize("backend", ["tcp", "nixl", "nccl"])
 def test_out_of_bounds_write_is_refused(spawn: Any, backend: str) -> None:
     require(backend)
     cfg = pool_config(4)
@@ -324,7 +327,7 @@ def test_out_of_bounds_write_is_refused(spawn: Any, backend: str) -> None:
     assert torch.equal(after, before)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize("backend", ["tcp", "nixl", "nccl"])
 def test_dead_peer_fails_within_timeout(spawn: Any, backend: str) -> None:
     require(backend)
     cfg = pool_config(4)

@@ -81,6 +81,7 @@ can take two more to be confirmed and released)."""
 _NIXL_OK, _NIXL_WHY = nixl_available()
 BACKENDS = [
     "tcp",
+    "nccl",
     pytest.param(
         "nixl", marks=pytest.mark.skipif(not _NIXL_OK, reason=f"nixl not importable: {_NIXL_WHY}")
     ),
@@ -258,16 +259,25 @@ class Pair:
     """How the prefill worker was started (fixed bootstrap port: restartable)."""
 
 
-@pytest.fixture
+@pytest.fixture(params=["tcp", "nccl"])
 def fresh_pair(request: pytest.FixtureRequest, tmp_path: Path, model_dir: str) -> Iterator[Pair]:
-    """A prefill and a decode worker (tcp, short transfer timeout, each in its own
-    process group) of one test, which kills one of them; the other must end up
-    idle with its whole pool."""
+    """A prefill and a decode worker (tcp, or nccl's gloo twin; short transfer
+    timeout, each in its own process group) of one test, which kills one of
+    them; the other must end up idle with its whole pool."""
     failed_before = request.session.testsfailed
     short = {"transfer_timeout_s": SHORT_TIMEOUT_S}
+    backend = request.param
     specs = [
-        spec(tmp_path, "fresh-prefill", "prefill", model_dir, bootstrap_port=free_port(), **short),
-        spec(tmp_path, "fresh-decode", "decode", model_dir, **short),
+        spec(
+            tmp_path,
+            "fresh-prefill",
+            "prefill",
+            model_dir,
+            backend,
+            bootstrap_port=free_port(),
+            **short,
+        ),
+        spec(tmp_path, "fresh-decode", "decode", model_dir, backend, **short),
     ]
     with launch_workers(specs, new_session=True) as workers:
         ok = False

@@ -1,4 +1,4 @@
-"""Tensor-parallel workers end to end (CPU, gloo, tcp KV transfer): prefill
+"""Tensor-parallel workers end to end (CPU, gloo; tcp and nccl KV transfer): prefill
 and decode at different TP sizes behind the real gateway give the colocated
 one-device engine's greedy tokens; a decode engine whose handshake cannot map
 onto a prefill group is refused with a message naming the fields; a killed
@@ -62,14 +62,20 @@ LOGS: list[Path] = []
 
 
 class Served:
-    def __init__(self, workers: dict[str, Worker], gateways: dict[str, str]) -> None:
+    def __init__(self, backend: str, workers: dict[str, Worker], gateways: dict[str, str]) -> None:
+        self.backend = backend
         self.workers = workers
         self.gateways = gateways
 
 
-@pytest.fixture(scope="module")
-def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_dir = tmp_path_factory.mktemp("tp-e2e")
+@pytest.fixture(scope="module", params=["tcp", "nccl"])
+def served(
+    request: pytest.FixtureRequest, model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    """The four workers and the gateways, once per KV transfer backend (tcp,
+    and nccl through its gloo twin)."""
+    backend = request.param
+    log_dir = tmp_path_factory.mktemp(f"tp-e2e-{backend}")
     specs, names = [], []
     for name, module, role, tp in (
         ("p1", "prefill_server", "prefill", 1),
@@ -79,7 +85,8 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     ):
         port = free_port()
         flags = ("--served-model-name", TINY_MODEL_NAME)
-        cmd = worker_cmd(module, model_dir, port, role=role, flags=flags, tp_size=tp, **ENGINE)
+        engine = {**ENGINE, "transfer_backend": backend}
+        cmd = worker_cmd(module, model_dir, port, role=role, flags=flags, tp_size=tp, **engine)
         specs.append((cmd, port, log_dir / f"{name}.log", ENV))
         names.append(name)
     with launch_workers(specs) as started, contextlib.ExitStack() as stack:
@@ -94,7 +101,7 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             )
             LOGS.append(gw_log)
             gateways[pair] = url
-        yield Served(workers, gateways)
+        yield Served(backend, workers, gateways)
     LOGS.clear()
 
 
@@ -177,9 +184,9 @@ def test_unmappable_decode_group_is_refused_at_the_handshake(served: Served) -> 
     p2 = served.workers["p2"]
     assert p2.bootstrap is not None
     kv = torch.zeros(64, dtype=torch.uint8)
-    backend = make_backend("tcp", "rogue-decode", host="127.0.0.1", cluster_token=TOKEN)
+    backend = make_backend(served.backend, "rogue-decode", host="127.0.0.1", cluster_token=TOKEN)
     backend.register(kv)
-    compat = _two_rank_compat()
+    compat = _two_rank_compat(served.backend)
     plane = DecodeKVPlane("127.0.0.1", 0, backend, compat, TOKEN, 10.0)
     try:
         plane.send(p2.bootstrap, to_prefill.AbortRoom("no-such-room"))
@@ -197,12 +204,12 @@ def test_unmappable_decode_group_is_refused_at_the_handshake(served: Served) -> 
         plane.close()
 
 
-def _two_rank_compat() -> dict[str, str]:
+def _two_rank_compat(backend: str) -> dict[str, str]:
     """The compat record of a decode engine of the tiny model at TP 2."""
     from worker.kv_setup import engine_compat
 
     llm = LLM(None, device="cpu", page_size=4, num_pages=8, context_length=128)
-    compat = engine_compat(llm.engine, "tcp")
+    compat = engine_compat(llm.engine, backend)
     compat["tp_size"] = "2"
     compat["kv_head_ranges"] = "0-1,1-2"
     compat["page_bytes"] = str(int(compat["page_bytes"]) // 2)

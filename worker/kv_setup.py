@@ -52,10 +52,10 @@ def backend_kwargs(
 ) -> dict[str, Any]:
     """Constructor arguments of a transfer backend. ``timeout``: how long a
     write may take before the backend fails it (None: the backend's default).
-    ``cluster_token``: the tcp data channel takes writes only from connections
-    that prove they hold it."""
+    ``cluster_token``: the tcp data channel and the nccl pairing take writes
+    only from connections that prove they hold it."""
     kwargs: dict[str, Any] = {}
-    if backend_name == "tcp":
+    if backend_name in ("tcp", "nccl"):
         kwargs = {"host": host, "cluster_token": cluster_token}
     if timeout is not None:
         kwargs["timeout"] = timeout
