@@ -256,6 +256,79 @@ def bench_backend(
     return rows
 
 
+def bench_self_send(args: argparse.Namespace, shape: tuple, layouts: list[str]) -> list[dict]:
+    """The nccl backend's CUDA channel on one GPU: a one-rank communicator
+    sends the pages to itself (one group call, the pairs' ``post``), in place
+    and through the staging buffer. NCCL refuses two ranks on one device, so
+    this is what one GPU can measure of it: the binding, the group call and
+    the scatter, with the bytes moving device-local (not over a link)."""
+    from kvtransfer.nccl.channel import NcclChannel, Span, import_nccl
+
+    _, layers, kv_heads, head_dim, dtype = shape
+    n = -(-args.tokens // args.page_size)
+    num_pages = 2 * n + RUN_PAGES + 1
+    cfg = KVPoolConfig(
+        num_pages, args.page_size, layers, kv_heads, head_dim, dtype, args.src_device
+    )
+    page_bytes = cfg.page_bytes
+    device = torch.device(args.src_device)
+    torch.cuda.set_device(device)
+    buf = torch.randint(0, 256, (2 * num_pages * page_bytes,), dtype=torch.uint8, device=device)
+    channel = NcclChannel.create(bytes(import_nccl().get_unique_id()), 1, 0, buf, 60.0)
+    rows = []
+    try:
+        for layout in layouts:
+            src_pages, dst_pages = page_map(layout, n, args.seed)
+            dst_pages = [num_pages + p for p in dst_pages]
+            ranges = page_ranges(src_pages, dst_pages, page_bytes)
+            sends = [Span(r.src_offset, r.nbytes) for r in ranges]
+            recvs = [Span(r.dst_offset, r.nbytes) for r in ranges]
+            for stage in (False, True):
+                times = []
+                for i in range(args.warmup + args.iters):
+                    torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    op = channel.post(sends, recvs, peer=0, stage=stage)
+                    channel.wait(op, time.monotonic() + args.timeout)
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t0)
+                view = buf.view(2 * num_pages, page_bytes)
+                verified = bool(
+                    torch.equal(
+                        view[torch.tensor(src_pages, device=device)],
+                        view[torch.tensor(dst_pages, device=device)],
+                    )
+                )
+                med = statistics.median(times)
+                nbytes = n * page_bytes
+                rows.append(
+                    {
+                        "backend": "nccl",
+                        "route": "self-send/staged" if stage else "self-send/in-place",
+                        "layout": layout,
+                        "src_device": args.src_device,
+                        "dst_device": args.src_device,
+                        "tokens": args.tokens,
+                        "page_size": args.page_size,
+                        "pages": n,
+                        "page_bytes": page_bytes,
+                        "descriptors": len(ranges),
+                        "bytes": nbytes,
+                        "iters": len(times),
+                        "median_ms": med * 1e3,
+                        "min_ms": min(times) * 1e3,
+                        "mean_ms": statistics.fmean(times) * 1e3,
+                        "gbps": nbytes / med / 1e9,
+                        "gbps_best": nbytes / min(times) / 1e9,
+                        "verified": verified,
+                        "idle_cpu_core_fraction": {},
+                    }
+                )
+    finally:
+        channel.abort()
+    return rows
+
+
 # ------------------------------------------------- decode-side KV wait (--pd-requests)
 
 
@@ -613,6 +686,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pd-only", action="store_true", help="run only the --pd-requests measurement")
     p.add_argument(
+        "--self-send",
+        action="store_true",
+        help="with --backend nccl on one GPU: a one-rank communicator sends the pages to "
+        "itself through the backend's channel, in place and staged (NCCL refuses two "
+        "ranks on one device; this measures the binding, group call and scatter)",
+    )
+    p.add_argument(
         "--output-file",
         type=Path,
         help="JSON output path (default benchmarks/results/kvtransfer-<shape>-<commit>-<time>.json)",
@@ -630,6 +710,8 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.tokens) < 1 or args.page_size < 1 or args.iters < 1:
         parser.error("--tokens, --page-size and --iters must be >= 1")
 
+    if args.self_send and (args.backend != "nccl" or not args.src_device.startswith("cuda")):
+        parser.error("--self-send needs --backend nccl and a CUDA --device")
     shape = shapes(args)
     backends = ["tcp", "nixl", "nixl/ucx"] if args.backend == "all" else [args.backend]
     layouts = ["contiguous", "runs", "scattered"] if args.layout == "all" else [args.layout]
@@ -640,6 +722,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows: list[dict] = []
     for backend, tokens in [] if args.pd_only else itertools.product(backends, args.tokens):
+        if args.self_send:
+            rows += bench_self_send(
+                argparse.Namespace(**{**vars(args), "tokens": tokens}), shape, layouts
+            )
+            continue
         try:
             rows += bench_backend(
                 backend, argparse.Namespace(**{**vars(args), "tokens": tokens}), shape, layouts

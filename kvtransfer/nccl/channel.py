@@ -95,9 +95,13 @@ class Channel(ABC):
         raises ``ChannelError`` after ``timeout_s``)."""
 
     @abstractmethod
-    def post(self, sends: Sequence[Span], recvs: Sequence[Span], peer: int) -> Op:
+    def post(
+        self, sends: Sequence[Span], recvs: Sequence[Span], peer: int, stage: bool | None = None
+    ) -> Op:
         """Queue sends of ``sends`` to and receives into ``recvs`` from ``peer``
-        (all within one group call where the library has them)."""
+        (all within one group call where the library has them). ``stage``:
+        force (True) or forbid (False) the staging buffer; None decides by the
+        ranges' sizes (``staged``). Both ends must decide alike."""
 
     @abstractmethod
     def wait(self, op: Op, deadline: float) -> None:
@@ -170,7 +174,9 @@ class GlooChannel(Channel):
         self._tag = (self._tag + 1) % (1 << 30)
         return self._tag
 
-    def post(self, sends: Sequence[Span], recvs: Sequence[Span], peer: int) -> Op:
+    def post(
+        self, sends: Sequence[Span], recvs: Sequence[Span], peer: int, stage: bool | None = None
+    ) -> Op:
         if self._aborted:
             raise ChannelError("the channel was aborted")
         works: list[Any] = []
@@ -178,10 +184,11 @@ class GlooChannel(Channel):
         try:
             # Tags follow the order of posts, which both ends share.
             if sends:
-                parts = [gather(self.buf, sends)] if staged(sends) else self._views(sends)
+                stage_sends = staged(sends) if stage is None else stage
+                parts = [gather(self.buf, sends)] if stage_sends else self._views(sends)
                 works += [self.pg.send([t], peer, self._next_tag()) for t in parts]
             if recvs:
-                if staged(recvs):
+                if staged(recvs) if stage is None else stage:
                     staging = torch.empty(sum(s.nbytes for s in recvs), dtype=torch.uint8)
                     works.append(self.pg.recv([staging], peer, self._next_tag()))
                     unstage = (list(recvs), staging)
@@ -296,7 +303,9 @@ class NcclChannel(Channel):
                 raise ChannelError(f"timed out {what}")
             time.sleep(_POLL_S)
 
-    def post(self, sends: Sequence[Span], recvs: Sequence[Span], peer: int) -> Op:
+    def post(
+        self, sends: Sequence[Span], recvs: Sequence[Span], peer: int, stage: bool | None = None
+    ) -> Op:
         if self._aborted:
             raise ChannelError("the channel was aborted")
         nc = self.nc
@@ -306,11 +315,11 @@ class NcclChannel(Channel):
         keep: list[Any] = []
         with torch.cuda.stream(stream):
             send_parts = list(self._views(sends))
-            if sends and staged(sends):
+            if sends and (staged(sends) if stage is None else stage):
                 send_parts = [gather(self.buf, sends)]
             recv_parts = list(self._views(recvs))
             staging = None
-            if recvs and staged(recvs):
+            if recvs and (staged(recvs) if stage is None else stage):
                 staging = torch.empty(
                     sum(s.nbytes for s in recvs), dtype=torch.uint8, device=self.buf.device
                 )
