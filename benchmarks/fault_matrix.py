@@ -2,7 +2,7 @@
 after another, with every greedy output checked against the offline engine.
 
     python -m benchmarks.fault_matrix                    # 2 prefill + 2 decode, tcp
-    python -m benchmarks.fault_matrix --transfer-backend nixl
+    python -m benchmarks.fault_matrix --transfer-backend nixl   (or nccl)
     python -m benchmarks.fault_matrix --short            # the test suite's few scenarios
 
 It starts N prefill and M decode workers (the built-in tiny model on the CPU,
@@ -50,6 +50,7 @@ from harness.fault_matrix import (
     short_config,
 )
 from harness.host import git_commit, host_info
+from kvtransfer import TRANSFER_BACKENDS
 
 COLUMNS = (
     ("scenario", 14),
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[MatrixConfig, argparse.Na
         "--prefill", type=int, default=None, help="prefill workers (default 2; short: 1)"
     )
     ap.add_argument("--decode", type=int, default=2, help="decode workers (default %(default)s)")
-    ap.add_argument("--transfer-backend", default="tcp", choices=["tcp", "nixl"])
+    ap.add_argument("--transfer-backend", default="tcp", choices=sorted(TRANSFER_BACKENDS))
     ap.add_argument(
         "--model", default=None, help="checkpoint dir (default: the built-in tiny model)"
     )

@@ -14,8 +14,8 @@ fixed set of token-id prompts with ``engine.llm.LLM``, and runs
   kill-decode     the same for a decode worker
   pause-prefill   SIGSTOP a prefill worker for a while, then SIGCONT
   pause-decode    the same for a decode worker
-  kv-drop         the tcp KV channel loses a data message (tcp only)
-  kv-delay        every KV data message is held back for a while (tcp only)
+  kv-drop         the KV data of a write is lost (tcp and nccl only)
+  kv-delay        every KV write's data is held back for a while (tcp and nccl only)
   disconnect      half the clients hang up mid-stream
   admin-readd     a decode worker removed through the admin API, then added back
   malformed       a burst of malformed requests beside the load (each must be a 4xx)
@@ -37,7 +37,7 @@ gives it its share). ``Result.bad``: any wrong, hung, leaked or 5xx (or a
 malformed request that got no 4xx, a 429 without Retry-After, or a scenario
 where nothing completed).
 
-The KV faults use a test hook of the tcp backend (``kvtransfer.faults``),
+The KV faults use a test hook of the tcp and nccl backends (``kvtransfer.faults``),
 enabled only here through ``DISAGG_KV_FAULT_FILE`` on the prefill workers.
 """
 
@@ -76,7 +76,9 @@ ALL_SCENARIOS = (
     "overload",
 )
 SHORT_SCENARIOS = ("kill-decode", "kv-drop", "disconnect", "malformed")
-TCP_ONLY = ("kv-drop", "kv-delay")
+KV_FAULTS = ("kv-drop", "kv-delay")
+KV_FAULT_BACKENDS = ("tcp", "nccl")
+"""The backends with the fault hook (nixl's data path has none)."""
 ENGINE: dict[str, Any] = dict(
     page_size=4,
     num_pages=384,
@@ -493,8 +495,8 @@ class Matrix:
 
     async def run(self, name: str) -> Result:
         result = Result(name)
-        if name in TCP_ONLY and self.cfg.backend != "tcp":
-            result.notes.append("tcp only")
+        if name in KV_FAULTS and self.cfg.backend not in KV_FAULT_BACKENDS:
+            result.notes.append(f"{' and '.join(KV_FAULT_BACKENDS)} only")
             return result
         t0 = time.monotonic()
         load = Load(

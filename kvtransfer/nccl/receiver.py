@@ -5,7 +5,7 @@ pair's communicator and receives its writes in order.
 Failure contract: a pair is aborted (its communicator ended, its memory
 released) when its writer asks (``Unpair``), when the writer's connection
 falls silent while its pairs are idle (it pings every
-``PEER_HEARTBEAT_IVL_S``; silence for ``PEER_HEARTBEAT_TIMEOUT_S`` means it
+``PEER_HEARTBEAT_IVL_S``; silence for longer than the pair's timeout means it
 exited, was paused or was cut off), when a write does not
 complete within the pair's timeout, or when a write names ranges outside the
 buffer. Nothing is written into the buffer by an aborted pair.
@@ -97,6 +97,7 @@ class RecvPair:
         if self.dead:  # aborted while joining
             self.channel.abort()
             return
+        owner.heard(self.key[0])  # the join's time counts as contact
         self.add_busy(-1)
         while (begin := self.jobs.get()) is not None:
             spans = [Span(o, n) for o, n in begin.ranges]
@@ -270,16 +271,21 @@ class Receiver:
         pair.jobs.put(msg)
 
     def _reap(self) -> None:
-        """Abort the idle pairs of writers that fell silent."""
+        """Abort the idle pairs of writers silent for longer than their
+        timeout. Writers ping every ``PEER_HEARTBEAT_IVL_S``, but from a
+        Python thread, which a busy process may hold back for seconds (the
+        GIL): so silence is judged against the pair's timeout, not the
+        heartbeat timeout."""
         now = time.monotonic()
         for ident, heard in list(self._heard.items()):
-            if now - heard <= PEER_HEARTBEAT_TIMEOUT_S:
-                continue
             keys = [k for k in self.pairs if k[0] == ident]
+            limit = max([PEER_HEARTBEAT_TIMEOUT_S, *(self.pairs[k].offer.timeout_s for k in keys)])
+            if now - heard <= limit:
+                continue
             if any(self.pairs[k].busy and not self.pairs[k].dead for k in keys):
-                continue  # a write in progress has its own deadline
+                continue  # a join or a write in progress has its own deadline
             del self._heard[ident]
-            self._drop(ident, f"the writer was silent for over {PEER_HEARTBEAT_TIMEOUT_S:g}s")
+            self._drop(ident, f"the writer was silent for over {limit:g}s")
 
     def _drop(self, ident: bytes, reason: str) -> None:
         for key in [k for k in self.pairs if k[0] == ident]:

@@ -196,6 +196,7 @@ class SendPair:
         self.channel = channel
         if self.dead is not None:  # closed while joining
             raise PairError(self.dead)
+        self._send(Ping())  # joined: from now on silence means this end is gone
 
     def _write(self, xfer: Xfer) -> None:
         wc = self.wc
