@@ -28,6 +28,7 @@ DISTRIBUTION = {
     "yaml": "pyyaml",
     "flashinfer": "flashinfer-python",
     "opentelemetry": "opentelemetry-api",
+    "nccl": "nccl4py",
 }
 """Import name -> distribution, where the two differ beyond ``_`` / ``-``."""
 PROVIDED_BY = {
@@ -41,6 +42,7 @@ OPTIONAL = {
     "opentelemetry": "spans only when DISAGG_SERVE_OTEL is set and the API imports",
     "flashinfer": "the gpu extra: the flashinfer attention backend and kernels",
     "nixl": "the gpu and test extras; imported through importlib where it is used",
+    "nccl": "the gpu extra (nccl4py): imported where the nccl backend runs on CUDA",
 }
 """Imports a role may lack: each is guarded, and here is why."""
 WORKER_ONLY = ("torch", "transformers", "safetensors", "xgrammar", "numpy", "triton")
@@ -244,7 +246,7 @@ def test_the_worker_extra_covers_the_workers_imports() -> None:
 def test_the_gpu_extra_brings_the_worker_and_its_cuda_packages() -> None:
     gpu = installed_by("gpu")
     assert installed_by("worker") <= gpu
-    assert {"flashinfer-python", "nixl"} <= gpu
+    assert {"flashinfer-python", "nixl", "nccl4py"} <= gpu
     assert not uncovered(WORKER_ROOTS, gpu)
 
 
@@ -280,7 +282,7 @@ def test_the_gateway_runs_without_the_worker_packages() -> None:
     parses: what a gateway-only install can run."""
     code = f"""
 import importlib, pkgutil, sys
-for name in {WORKER_ONLY!r} + ("huggingface_hub", "flashinfer", "nixl"):
+for name in {WORKER_ONLY!r} + ("huggingface_hub", "flashinfer", "nixl", "nccl"):
     sys.modules[name] = None
 import gateway, protocol
 for pkg in (gateway, protocol):

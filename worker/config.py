@@ -95,8 +95,9 @@ class WorkerConfig:
     transfer_backend: str = setting(
         AUTO_BACKEND,
         help="how KV pages move between prefill and decode workers: nixl (NVLink/RDMA, "
-        "CUDA IPC within a host) or tcp; auto: nixl on CUDA where it imports (the gpu "
-        "extra), else tcp; prefill and decode must agree (default: %(default)s)",
+        "CUDA IPC within a host), nccl (a communicator per worker pair; gloo on CPU) or "
+        "tcp; auto: nixl on CUDA where it imports (the gpu extra), else tcp; prefill and "
+        "decode must agree (default: %(default)s)",
         group=TRANSFER_GROUP,
         choices=TRANSFER_CHOICES,
     )
