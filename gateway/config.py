@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.admission import AdmissionConfig
+from gateway.planner import PlannerConfig
 from gateway.routing import RouterConfig
 from protocol import settings
 from protocol.host import AUTO_BUSY_POLL_S, BUSY_POLL_MIN_CORES, auto_busy_poll_s
@@ -63,6 +64,7 @@ class GatewayConfig:
     )
     router: RouterConfig = field(default_factory=RouterConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     worker_startup_timeout_s: float = setting(
         30.0,
         help="while no worker is up (the gateway started first, or every worker is down), "

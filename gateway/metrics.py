@@ -6,6 +6,7 @@ import bisect
 import time
 from collections import defaultdict
 
+from gateway.planner import LatencySample, Planner, PlannerConfig
 from gateway.routing import Router
 from gateway.stages import StageMetrics
 from protocol.tracing import StageSpans
@@ -51,13 +52,16 @@ class Counter:
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, planner: PlannerConfig | None = None) -> None:
         self.ttft = Histogram("gateway_time_to_first_token_seconds", "time to first token")
         self.itl = Histogram("gateway_inter_token_latency_seconds", "gap between streamed tokens")
         self.e2e = Histogram("gateway_e2e_request_latency_seconds", "request latency")
         self.requests = Counter("gateway_requests_total", "requests by endpoint", "endpoint")
         self.failures = Counter("gateway_request_failures_total", "failed requests by kind", "kind")
         self.stages = StageMetrics(StageSpans.from_env("gateway"))
+        self.planner = Planner(planner)
+        """Pool signals and recommended replicas (``gateway.planner``); fed by
+        ``RequestTiming``, rendered with the rest."""
 
     def render(self, router: Router) -> str:
         lines: list[str] = []
@@ -71,6 +75,7 @@ class GatewayMetrics:
         for w in router.workers():
             ok = 1 if router.is_available(w) else 0
             lines.append(f'gateway_worker_healthy{{url="{w.url}",role="{w.role}"}} {ok}')
+        lines += self.planner.render(router.workers())
         return "\n".join(lines) + "\n"
 
 
@@ -81,6 +86,8 @@ class RequestTiming:
         self.metrics = metrics
         self.started = started
         self.last: list[float | None] = [None] * n
+        self.samples: list[LatencySample | None] = [None] * n
+        """Each choice's record in the planner's latency window."""
 
     def observe(self, i: int, num_tokens: int) -> None:
         """Choice ``i`` produced an event with ``num_tokens`` tokens. The tokens
@@ -93,8 +100,13 @@ class RequestTiming:
         itl = self.metrics.itl
         if last is None:
             self.metrics.ttft.observe(t - self.started)
+            window = self.metrics.planner.samples
+            self.samples[i] = window.first_token(t, t - self.started, num_tokens)
         else:
             itl.observe(t - last)
+            sample = self.samples[i]
+            if sample is not None:
+                sample.more(t, num_tokens)
         if num_tokens > 1:
             itl.observe(0.0, num_tokens - 1)
         self.last[i] = t
