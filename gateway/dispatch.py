@@ -28,6 +28,7 @@ from protocol.client import (
     WorkerUnreachable,
 )
 from protocol.finish import ENDED, FAILED, WORKER_STOPPED, FinishReason
+from protocol.roles import DECODE
 from protocol.sampling import SamplingParams
 from protocol.stages import DISPATCHED
 from protocol.to_gateway import TokenDelta
@@ -130,12 +131,17 @@ class Dispatcher:
             raise _NotDispatched(worker, RuntimeError("no request endpoint yet"))
         client = self._clients.get(endpoint)
         if client is None:
+            url = worker.url
+            on_kv = None
+            if self.router.config.kv_events and worker.role != DECODE:
+                on_kv = lambda batch: self.router.kv_events(url, batch)  # noqa: E731
             client = WorkerClient(
                 endpoint,
                 timeout_s=self.timeout_s,
                 connect_timeout_s=self.connect_timeout_s,
                 auth=self.auth,
                 on_connection=lambda up, why: self._on_connection(endpoint, up, why),
+                on_kv_events=on_kv,
             )
             try:
                 await client.start()

@@ -69,6 +69,9 @@ class PrefillLoop(DisaggLoop[Room, PrefillKVPlane]):
 
     # -- requests ------------------------------------------------------------
 
+    def prefix_cache(self) -> Any:
+        return self.engine.scheduler.cache
+
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
         error = param = None
         if not isinstance(msg, Prefill):

@@ -51,6 +51,7 @@ from protocol import to_gateway, to_worker
 from protocol.aio import cancel_and_wait
 from protocol.auth import ClusterKeys, secure_client
 from protocol.finish import FAILED, FinishReason
+from protocol.kv_events import SNAPSHOT_PLEASE, KvEvents
 from protocol.stages import FIRST_TOKEN_RECEIVED, StageClock
 from protocol.to_gateway import TokenDelta
 from protocol.to_worker import Abort, Generate, Heartbeat, Prefill
@@ -187,7 +188,13 @@ class WorkerClient:
         heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         on_connection: ConnectionListener | None = None,
+        on_kv_events: Callable[[KvEvents | None], None] | None = None,
     ) -> None:
+        """``on_kv_events``: subscribe to the worker's KV events
+        (``protocol.kv_events``); called with each batch in order (a snapshot
+        replaces what came before), and with None when the view is lost (a
+        gap, a new epoch, a dropped connection) until the snapshot asked for
+        comes."""
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("timeout_s and connect_timeout_s must be > 0")
         if heartbeat_interval_s <= 0 or heartbeat_timeout_s <= heartbeat_interval_s:
@@ -199,6 +206,9 @@ class WorkerClient:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_connection = on_connection
+        self.on_kv_events = on_kv_events
+        self._kv_epoch = ""
+        self._kv_seq = SNAPSHOT_PLEASE
         self._connected = asyncio.Event()
         self._lost = False
         """An established connection dropped and has not come back: requests
@@ -391,7 +401,7 @@ class WorkerClient:
                 # Before the first request: a requester killed right after
                 # sending it is then known to send heartbeats, and is missed.
                 self._declared = True
-                self._post(Heartbeat())
+                self._post(self._heartbeat_msg())
             self._post(msg)
             timeout_s = self.timeout_s
             while True:
@@ -509,7 +519,32 @@ class WorkerClient:
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             if self._connected.is_set():
-                self._post(Heartbeat())
+                self._post(self._heartbeat_msg())
+
+    def _heartbeat_msg(self) -> Heartbeat:
+        if self.on_kv_events is None:
+            return Heartbeat()
+        return Heartbeat(self._kv_epoch, self._kv_seq)
+
+    def _on_kv(self, batch: KvEvents) -> None:
+        """Apply ``batch`` in order; on a gap or a new epoch, ask for a
+        snapshot at once (and report the view lost until it comes)."""
+        if batch.snapshot or (batch.epoch == self._kv_epoch and batch.seq == self._kv_seq + 1):
+            self._kv_epoch, self._kv_seq = batch.epoch, batch.seq
+            self._kv_report(batch)
+        elif batch.epoch == self._kv_epoch and batch.seq <= self._kv_seq:
+            return  # already applied (a repair resent it)
+        elif self._kv_seq != SNAPSHOT_PLEASE:
+            self._kv_seq = SNAPSHOT_PLEASE
+            self._kv_report(None)
+            self._post(self._heartbeat_msg())
+
+    def _kv_report(self, batch: KvEvents | None) -> None:
+        assert self.on_kv_events is not None
+        try:
+            self.on_kv_events(batch)
+        except Exception:  # a listener's bug must not stop the receiver
+            log.exception("KV-event listener of %s failed", self.endpoint)
 
     async def _send_loop(self) -> None:
         assert self._sock is not None
@@ -537,6 +572,10 @@ class WorkerClient:
                 tokens = to_gateway.decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.warning("ignoring a malformed frame from %s: %s", self.endpoint, e)
+                continue
+            if type(tokens) is KvEvents:
+                if self.on_kv_events is not None:
+                    self._on_kv(tokens)
                 continue
             now = loop.time()
             inboxes = self._inboxes
@@ -572,6 +611,8 @@ class WorkerClient:
                 self._loss = asyncio.Event()
                 self._connected.set()
                 self._notify(True, "connected")
+                if self.on_kv_events is not None:
+                    self._post(self._heartbeat_msg())  # subscribe now, not in 0.5 s
             elif kind & _HANDSHAKE_FAILED:
                 error = _HANDSHAKE_ERRORS.get(kind, "handshake failed")
                 if self._handshake_error != error:
@@ -590,6 +631,9 @@ class WorkerClient:
                 log.warning("lost the connection to worker %s", self.endpoint)
                 self._fail_all(WorkerDisconnected(f"connection to {self.endpoint} dropped"))
                 self._notify(False, f"request-plane connection to {self.endpoint} dropped")
+                if self.on_kv_events is not None and self._kv_seq != SNAPSHOT_PLEASE:
+                    self._kv_seq = SNAPSHOT_PLEASE
+                    self._kv_report(None)
 
     def _notify(self, up: bool, reason: str) -> None:
         if self.on_connection is not None:

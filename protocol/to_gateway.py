@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.finish import FinishReason
+from protocol.kv_events import KvEvents
 
 
 class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
@@ -45,6 +46,6 @@ class Tokens(msgspec.Struct, tag="tokens", frozen=True):
     deltas: list[TokenDelta]
 
 
-ToGateway = Tokens
+ToGateway = Tokens | KvEvents
 decoder = msgspec.msgpack.Decoder(ToGateway)
 encoder = msgspec.msgpack.Encoder()

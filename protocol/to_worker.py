@@ -44,6 +44,12 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     (killed, paused, cut off), the worker aborts its requests. Requesters that
     never send one are not watched."""
 
+    kv_epoch: str = ""
+    kv_seq: int | None = None
+    """Subscribes to the worker's KV events (``protocol.kv_events``): the last
+    batch the requester applied (of ``kv_epoch``), or ``SNAPSHOT_PLEASE``.
+    None: no events (a requester that does not route by them)."""
+
 
 ToWorker = Generate | Prefill | Abort | Heartbeat
 decoder = msgspec.msgpack.Decoder(ToWorker)

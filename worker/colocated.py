@@ -41,6 +41,9 @@ class ColocatedLoop(WorkerLoop):
             "forward_steps_total": 0,
         }
 
+    def prefix_cache(self) -> Any:
+        return self.engine.scheduler.cache
+
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
         self._counters["requests_total"] += 1
         if isinstance(msg, Prefill):

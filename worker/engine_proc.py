@@ -30,6 +30,7 @@ import zmq
 from protocol import to_gateway, to_worker
 from protocol.auth import is_loopback, keys_for, secure_server
 from protocol.finish import WORKER_STOPPED, FinishReason
+from protocol.kv_events import KvEvents
 from protocol.to_gateway import TokenDelta, Tokens
 from protocol.to_worker import Abort, Heartbeat
 from worker.config import WorkerConfig
@@ -123,6 +124,8 @@ class EngineServer:
         self._deadlines: dict[str, float] = {}
         self._heard: dict[bytes, float] = {}
         """Requesters that send heartbeats -> when one was last heard from."""
+        self.kv_events: Any = None
+        """The ``KvPublisher`` of a role whose prefix cache routes prompts."""
         self._polled_at = time.monotonic()
         self._active_at = self._polled_at
         """When the last request (not a heartbeat) came or the last step ran."""
@@ -212,6 +215,11 @@ class EngineServer:
         self.threads = _set_threads(cfg.engine_threads)
         self.loop = self.role.make_loop(cfg)
         self.loop.deliver = self._deliver
+        cache = self.loop.prefix_cache()
+        if cache is not None:
+            from worker.kv_publisher import KvPublisher
+
+            self.kv_events = KvPublisher(cache, self._send_kv)
         self.info = {
             "role": cfg.role,
             "model": cfg.engine.model,
@@ -352,6 +360,8 @@ class EngineServer:
                 self._heard[client] = time.monotonic()
         if isinstance(msg, Heartbeat):
             self._heard[client] = time.monotonic()
+            if msg.kv_seq is not None and self.kv_events is not None:
+                self.kv_events.on_heartbeat(client, msg.kv_epoch, msg.kv_seq)
             return
         self._active_at = self._polled_at  # heartbeats keep nobody spinning
         if isinstance(msg, Abort):
@@ -392,6 +402,8 @@ class EngineServer:
         self._counters["engine_steps_total"] += 1
         self._counters["engine_step_seconds_total"] += time.perf_counter() - t0
         self._deliver(deltas)
+        if self.kv_events is not None:
+            self.kv_events.publish()
 
     def _deliver(self, deltas: list[tuple[bytes, TokenDelta]]) -> None:
         """Send each delta to its requester (if it still owns the request)."""
@@ -428,6 +440,8 @@ class EngineServer:
             return
         for client in gone:
             del self._heard[client]
+            if self.kv_events is not None:
+                self.kv_events.forget(client)
         orphans = [rid for rid, c in self._owners.items() if c in gone]
         if orphans:
             log.warning(
@@ -472,6 +486,13 @@ class EngineServer:
         except zmq.ZMQError as e:
             log.debug("could not send to a requester: %s", e)
 
+    def _send_kv(self, client: bytes, batch: KvEvents) -> None:
+        assert self.router is not None
+        try:
+            self.router.send_multipart([client, to_gateway.encoder.encode(batch)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("could not send KV events to a requester: %s", e)
+
     # -- control plane ---------------------------------------------------------
 
     def _on_ctrl(self, ident: bytes, payload: bytes) -> None:
@@ -509,6 +530,8 @@ class EngineServer:
             **self.loop.stats(),
             "in_flight": len(self._owners),
             "requesters": len(set(self._owners.values())),
+            "kv_event_subscribers": self.kv_events.subscribers if self.kv_events else 0,
+            "kv_event_batches_total": self.kv_events.seq if self.kv_events else 0,
             "uptime_seconds": round(time.monotonic() - self._started, 3),
             **self._counters,
         }

@@ -52,6 +52,11 @@ class WorkerLoop(ABC):
         step, for the deltas that must not wait for the rest of it (a prefill
         worker's first token goes out before its KV is pushed)."""
 
+    def prefix_cache(self) -> Any:
+        """The engine's prefix cache (``RadixCache``) whose KV events this
+        worker publishes, or None (no cache, or a role that routes nothing)."""
+        return None
+
     @abstractmethod
     def submit(self, msg: Generate | Prefill, client: bytes) -> None:
         """Accept a request from requester ``client`` (a ZMQ identity). Invalid

@@ -14,12 +14,13 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from engine.kvcache.pool import PageAllocator
+from protocol.kv_events import NO_PARENT, chain
 
 
 class RadixNode:
     """A run of cached pages; ``children`` is keyed by each child's first page of ids."""
 
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "hashes")
 
     def __init__(
         self,
@@ -37,6 +38,8 @@ class RadixNode:
         # an unlocked node's whole subtree is unlocked, hence evictable.
         self.ref = 0
         self.last_access = last_access
+        # With KV events on: the chained block hash of each page (protocol.kv_events).
+        self.hashes: list[int] = []
 
     def __repr__(self) -> str:
         return f"RadixNode(tokens={len(self.key)}, pages={self.pages}, ref={self.ref})"
@@ -72,11 +75,16 @@ class RadixCache:
     back to the allocator on :meth:`evict` and :meth:`reset`.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, events: bool = False) -> None:
+        """``events``: record the chained hash of every page stored and removed
+        (``protocol.kv_events``), for ``drain_events``."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
+        self.events = events
+        self._stored: list[int] = []
+        self._removed: list[int] = []
         self.root = RadixNode()
         self._clock = 0
         self._cached_pages = 0
@@ -126,6 +134,12 @@ class RadixCache:
             leaf = RadixNode(tokens[shared * ps :], list(pages[shared:]), node, self._clock)
             node.children[leaf.key[:ps]] = leaf
             self._cached_pages += len(leaf.pages)
+            if self.events:
+                h = node.hashes[-1] if node.hashes else NO_PARENT
+                for i in range(len(leaf.pages)):
+                    h = chain(h, leaf.key[i * ps : (i + 1) * ps])
+                    leaf.hashes.append(h)
+                self._stored.extend(leaf.hashes)
             tree_pages.extend(leaf.pages)
             node = leaf
         if duplicates:
@@ -173,6 +187,8 @@ class RadixCache:
         assert node.parent is not None
         upper = RadixNode(node.key[:cut], node.pages[:num_pages], node.parent, node.last_access)
         upper.ref = node.ref
+        # A page's hash depends on the tokens before it only: a split keeps them.
+        upper.hashes, node.hashes = node.hashes[:num_pages], node.hashes[num_pages:]
         node.parent.children[node.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
         upper.children[node.key[:ps]] = node
@@ -227,6 +243,7 @@ class RadixCache:
             del parent.children[node.key[: self.page_size]]
             node.parent = None
             self.allocator.free(node.pages)
+            self._removed.extend(node.hashes)
             freed += len(node.pages)
             self._cached_pages -= len(node.pages)
             if parent is not self.root and not parent.children and not parent.ref:
@@ -244,6 +261,8 @@ class RadixCache:
             n.children = {}
         self.root.children = {}
         self.allocator.free(pages)
+        for n in nodes:
+            self._removed.extend(n.hashes)
         self._cached_pages = 0
         self._query_tokens = self._hit_tokens = 0
 
@@ -254,6 +273,27 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    # -------------------------------------------------------------- KV events
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """Block hashes stored and removed since the last call (both empty
+        unless ``events``). A reader adds ``stored``, then discards
+        ``removed``; a hash both stored and removed in between is listed on
+        the side that leaves it as the tree has it now."""
+        stored, removed = self._stored, self._removed
+        self._stored, self._removed = [], []
+        if stored and removed:
+            gone, back = set(removed), set(stored)
+            # Net effect: present now iff it is in the tree.
+            live = {h for n in self._nodes() for h in n.hashes} if (gone & back) else set()
+            stored = [h for h in stored if h not in gone or h in live]
+            removed = [h for h in removed if h not in back or h not in live]
+        return stored, removed
+
+    def block_hashes(self) -> list[int]:
+        """Every cached page's chained hash (a snapshot; empty unless ``events``)."""
+        return [h for n in self._nodes() for h in n.hashes]
 
     # ------------------------------------------------------------------- stats
 

@@ -92,4 +92,10 @@ class WorkerAdmin:
 
     def list_workers(self) -> list[dict[str, Any]]:
         """Every registered worker (draining ones included) as JSON-able dicts."""
-        return [w.to_dict() for w in self.router.workers()]
+        policy = self.router.prefill_policy
+        return [
+            {**w.to_dict(), "prefix_cache": policy.describe(w.url)}
+            if w.role != "decode"
+            else w.to_dict()
+            for w in self.router.workers()
+        ]

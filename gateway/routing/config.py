@@ -57,6 +57,20 @@ class RouterConfig:
         "least recently are evicted first (default: %(default)s)",
         group=ROUTING_GROUP,
     )
+    kv_events: bool = setting(
+        True,
+        help="cache_aware scores a prefill worker by the blocks its prefix cache really "
+        "holds, from the KV events the worker publishes (a worker that publishes none is "
+        "scored by the gateway's own prefix tree of what it routed there) "
+        "(default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
+    kv_event_pending_s: float = setting(
+        5.0,
+        help="with KV events: a prompt routed to a worker this recently counts as cached "
+        "there too (its prefill may not have reached the cache yet) (default: %(default)s)",
+        group=ROUTING_GROUP,
+    )
     cache_min_match_ratio: float = setting(
         0.5,
         help="below this matched fraction of the prompt, cache_aware picks by least load "
@@ -126,6 +140,7 @@ class RouterConfig:
             ("breaker_failure_threshold must be >= 1", self.breaker_failure_threshold >= 1),
             ("breaker_cooldown_s must be >= 0", self.breaker_cooldown_s >= 0),
             ("cache_block_tokens must be >= 1", self.cache_block_tokens >= 1),
+            ("kv_event_pending_s must be >= 0", self.kv_event_pending_s >= 0),
             (
                 "cache_max_tokens must be >= cache_block_tokens",
                 self.cache_max_tokens >= self.cache_block_tokens,

@@ -5,12 +5,14 @@ line's choices)."""
 from __future__ import annotations
 
 import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway.routing.prefix_tree import ApproxPrefixTree, block_keys
 from gateway.routing.workers import WorkerInfo
+from protocol.kv_events import KvEvents, block_hashes
 
 if TYPE_CHECKING:
     from gateway.routing.config import RouterConfig
@@ -35,6 +37,14 @@ class Policy(ABC):
 
     def routed(self, worker: WorkerInfo, token_ids: Sequence[int]) -> None:  # noqa: B027
         """``worker`` was given the prompt by someone else (a breaker's trial)."""
+
+    def kv_events(self, url: str, batch: KvEvents | None) -> None:  # noqa: B027
+        """A batch of the KV events of the worker at ``url`` (None: its view
+        was lost until a snapshot comes); see ``protocol.kv_events``."""
+
+    def describe(self, url: str) -> dict[str, Any]:
+        """What this policy keeps about the worker at ``url`` (for the admin API)."""
+        return {}
 
 
 def least_loaded(workers: Iterable[WorkerInfo]) -> WorkerInfo | None:
@@ -84,10 +94,47 @@ class PowerOfTwoPolicy(Policy):
         return b if b.load < a.load else a
 
 
+class CachedBlocks:
+    """The blocks one worker's prefix cache holds, kept from its KV events."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.epoch = ""
+        self.seq = 0
+        self.hashes: set[int] = set()
+        self.valid = True
+        """False from a lost view (a gap) until the snapshot that repairs it."""
+
+    def apply(self, batch: KvEvents) -> None:
+        if batch.snapshot:
+            self.hashes = set(batch.stored)
+            self.block_tokens = batch.block_tokens
+        else:
+            self.hashes.update(batch.stored)
+            self.hashes.difference_update(batch.removed)
+        self.epoch, self.seq = batch.epoch, batch.seq
+        self.valid = True
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Tokens of the longest prefix (of a prompt's ``block_hashes``) held."""
+        n = 0
+        for h in hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n * self.block_tokens
+
+
 class CacheAwarePolicy(Policy):
     """The cached prefix counts as work saved, the load as work to wait for.
 
-    Per worker an ``ApproxPrefixTree`` of the prompts routed to it. The pick is
+    A worker's cached prefix is read from its KV events where it publishes
+    them (``CachedBlocks``: the blocks its cache really holds, whatever other
+    gateways routed there, evictions and restarts included), together with
+    the prompts this gateway routed to it in the last ``kv_event_pending_s``
+    (their prefill may not have reached its cache yet). For a worker that
+    publishes none, or whose event view is being repaired, the prefix is read
+    from an ``ApproxPrefixTree`` of the prompts routed to it. The pick is
     the worker where the prompt would finish first: least outstanding tokens
     plus the part of the prompt it has not cached (then fewest outstanding
     requests). An idle worker with nothing cached thus takes a prompt from a
@@ -107,6 +154,8 @@ class CacheAwarePolicy(Policy):
         super().__init__(config, rng)
         self.max_blocks = max(1, config.cache_max_tokens // config.cache_block_tokens)
         self.trees: dict[str, ApproxPrefixTree] = {}
+        self.blocks: dict[str, CachedBlocks] = {}
+        """Workers that publish KV events: what their caches hold."""
         self.last_decision: str = ""
         """"cache", "imbalance" or "low_match": why the last pick was made (for
         logs and tests)."""
@@ -136,7 +185,8 @@ class CacheAwarePolicy(Policy):
             self.last_decision = "imbalance"
         else:
             total = max(1, len(token_ids))
-            ratios = [(self.tree(w.url).match(keys=keys) / total, w) for w in workers]
+            hashes: dict[int, list[int]] = {}
+            ratios = [(self.matched(w.url, token_ids, keys, hashes) / total, w) for w in workers]
             best = max(r for r, _ in ratios)
             if not token_ids or best < self.config.cache_min_match_ratio:
                 chosen = least_loaded(workers)
@@ -156,8 +206,56 @@ class CacheAwarePolicy(Policy):
         self.tree(chosen.url).insert(keys=keys)
         return chosen
 
+    def matched(
+        self,
+        url: str,
+        token_ids: Sequence[int],
+        keys: list[tuple[int, int]],
+        hashes: dict[int, list[int]],
+    ) -> int:
+        """Tokens of the prompt cached at the worker at ``url``. ``hashes``:
+        the prompt's block hashes per block size, filled as needed."""
+        tree = self.tree(url)
+        blocks = self.blocks.get(url)
+        if blocks is None or not blocks.valid or not self.config.kv_events:
+            return tree.match(keys=keys)
+        bt = blocks.block_tokens
+        if bt not in hashes:
+            hashes[bt] = block_hashes(token_ids, bt)
+        since = time.monotonic() - self.config.kv_event_pending_s
+        return max(blocks.match(hashes[bt]), tree.match(keys=keys, routed_since=since))
+
+    def kv_events(self, url: str, batch: KvEvents | None) -> None:
+        blocks = self.blocks.get(url)
+        if batch is None:
+            if blocks is not None:
+                blocks.valid = False
+            return
+        if blocks is None:
+            if not batch.snapshot:
+                return  # the snapshot asked for on subscribing comes first
+            blocks = self.blocks[url] = CachedBlocks(batch.block_tokens)
+        blocks.apply(batch)
+
     def forget(self, url: str) -> None:
         self.trees.pop(url, None)
+        self.blocks.pop(url, None)
+
+    def describe(self, url: str) -> dict[str, Any]:
+        blocks = self.blocks.get(url)
+        tree = self.trees.get(url)
+        view: dict[str, Any] = {"routed_blocks": len(tree) if tree is not None else 0}
+        if blocks is not None and self.config.kv_events:
+            view.update(
+                source="kv_events" if blocks.valid else "routed_prompts (KV events resyncing)",
+                cached_blocks=len(blocks.hashes),
+                block_tokens=blocks.block_tokens,
+                epoch=blocks.epoch,
+                seq=blocks.seq,
+            )
+        else:
+            view["source"] = "routed_prompts"
+        return view
 
     def routed(self, worker: WorkerInfo, token_ids: Sequence[int]) -> None:
         self.tree(worker.url).insert(keys=block_keys(token_ids, self.config.cache_block_tokens))

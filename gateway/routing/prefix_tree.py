@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -37,21 +38,29 @@ class ApproxPrefixTree:
             raise ValueError("block_tokens and max_blocks must be >= 1")
         self.block_tokens = block_tokens
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[int, float] = OrderedDict()
+        """Block key -> when it was last routed (monotonic seconds)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def match(
-        self, token_ids: Sequence[int] | None = None, *, keys: BlockKeys | None = None
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        keys: BlockKeys | None = None,
+        routed_since: float | None = None,
     ) -> int:
         """Tokens of the longest stored prefix of ``token_ids`` (or of prompt
-        ``keys`` from ``block_keys``). Does not refresh recency."""
+        ``keys`` from ``block_keys``); with ``routed_since``, of blocks routed
+        at or after that time only. Does not refresh recency."""
         if keys is None:
             keys = block_keys(token_ids or (), self.block_tokens)
         matched = 0
+        blocks = self._blocks
         for key, n in keys:
-            if key not in self._blocks:
+            at = blocks.get(key)
+            if at is None or (routed_since is not None and at < routed_since):
                 break
             matched += n
         return matched
@@ -65,8 +74,9 @@ class ApproxPrefixTree:
             keys = block_keys(token_ids or (), self.block_tokens)
         if len(keys) > self.max_blocks:
             keys = keys[: self.max_blocks]
+        now = time.monotonic()
         for key, _ in reversed(keys):
-            self._blocks[key] = None
+            self._blocks[key] = now
             self._blocks.move_to_end(key)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)

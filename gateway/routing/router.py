@@ -21,6 +21,7 @@ from gateway.routing.breaker import CircuitBreaker, Clock
 from gateway.routing.config import RouterConfig
 from gateway.routing.policies import DECODE_POLICIES, PREFILL_POLICIES
 from gateway.routing.workers import WorkerInfo, WorkerPool, normalize_url
+from protocol.kv_events import KvEvents
 from protocol.roles import ROLES
 
 log = logging.getLogger("gateway.router")
@@ -102,6 +103,10 @@ class Router:
 
     def workers(self) -> list[WorkerInfo]:
         return self.prefill.list() + self.decode.list()
+
+    def kv_events(self, url: str, batch: KvEvents | None) -> None:
+        """KV events of the worker at ``url`` (see ``Policy.kv_events``)."""
+        self.prefill_policy.kv_events(normalize_url(url), batch)
 
     def forget_cache(self, url: str) -> None:
         """The worker at ``url`` lost its prefix cache (restarted)."""
