@@ -34,10 +34,12 @@ DISTRIBUTION = {
 PROVIDED_BY = {
     "starlette": "fastapi",
     "triton": "xgrammar",
+    "pyyaml": "kubernetes-validate",
 }
 """Distributions installed as another listed one's requirement: starlette is
 FastAPI's base; triton comes with xgrammar on Linux x86_64 (and with torch's
-CUDA builds), and only the CUDA kernels import it."""
+CUDA builds), and only the CUDA kernels import it; PyYAML is
+kubernetes-validate's, with which tests/test_deploy.py reads the manifests."""
 OPTIONAL = {
     "opentelemetry": "spans only when DISAGG_SERVE_OTEL is set and the API imports",
     "flashinfer": "the gpu extra: the flashinfer attention backend and kernels",
