@@ -21,6 +21,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.config import GatewayConfig, flags
 from gateway.dispatch import Dispatcher
+from gateway.replicas import bind_sockets
 from gateway.routing import HealthChecker, Router
 from gateway.state import GatewayState
 from protocol import settings
@@ -81,6 +82,11 @@ def main(argv: list[str] | None = None) -> None:
                 decode=(emb.decode_url,),
                 cluster_token=emb.cluster_token,
             )
+        if cfg.replicas > 1:
+            from gateway.replicas import start_replicas, stop_replicas
+
+            cfg, others = start_replicas(cfg)
+            stack.callback(stop_replicas, others, cfg.shutdown_timeout_s)
         if cfg.admin_bearer is None:
             log.warning(
                 "no --admin-key and no cluster token: the admin API (worker registration) "
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
             state,
         )
-        server.run()
+        server.run(sockets=bind_sockets(cfg))
 
 
 def _gateway_config(args: argparse.Namespace) -> GatewayConfig:

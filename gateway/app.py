@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
@@ -218,6 +220,10 @@ async def _parse_json_fast(request: Request) -> None:
         request._json = msgspec.json.decode(body)  # Starlette's cache of request.json()
 
 
+REPLICA_ID = f"{socket.gethostname()}:{os.getpid()}"
+"""Which gateway process answered (replicas share a port)."""
+
+
 def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
     @app.get("/health")
     async def health() -> Response:
@@ -229,6 +235,7 @@ def _add_status_routes(app: FastAPI, state: GatewayState) -> None:
         return JSONResponse(
             {
                 "status": "ok" if ok else "unavailable",
+                "replica": REPLICA_ID,
                 "workers": [
                     {
                         "url": w.url,
@@ -268,7 +275,7 @@ def _add_admin_routes(app: FastAPI, state: GatewayState) -> None:
         return {"workers": state.admin.list_workers()}
 
     @app.post("/admin/workers")
-    async def add_worker(body: dict[str, Any]) -> Any:
+    async def add_worker(body: dict[str, Any], request: Request) -> Any:
         url = body.get("url")
         if not isinstance(url, str):
             raise APIError(400, "body must carry the worker's url", param="url")
@@ -288,17 +295,33 @@ def _add_admin_routes(app: FastAPI, state: GatewayState) -> None:
             if new and state.router.get(url) is not None:
                 state.router.remove(url)
             raise APIError(400, str(e), param="url") from None
+        _pass_on(state, request, "POST", "/admin/workers", json={"url": url, "role": role})
         return w.to_dict()
 
     @app.delete("/admin/workers")
-    async def remove_worker(url: str) -> Any:
+    async def remove_worker(url: str, request: Request) -> Any:
         url = _worker_url(url)
         w = await state.admin.remove_worker(url)
+        _pass_on(state, request, "DELETE", "/admin/workers", params={"url": url})
         if w is None:
             raise APIError(404, f"no worker {url}", param="url", code="not_found")
         await state.dispatcher.prune()
         # Still listed (draining) until its outstanding requests end.
         return {"removed": url, "draining": True, "outstanding_requests": w.outstanding_requests}
+
+
+def _pass_on(state: GatewayState, request: Request, method: str, path: str, **kw: Any) -> None:
+    """Pass an admin change on to the peer replicas (``--peers``), unless it
+    came from one of them; in the background: the caller's answer does not
+    wait for the peers."""
+    from gateway.replicas import PEER_HEADER, pass_on
+
+    peers = state.config.peers
+    if not peers or request.headers.get(PEER_HEADER):
+        return
+    task = asyncio.create_task(pass_on(peers, method, path, state.config.admin_bearer, **kw))
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
 
 
 def _worker_url(url: str) -> str:

@@ -26,6 +26,32 @@ from protocol.settings import CLUSTER_TOKEN_ENV, LOG_LEVELS, Flag, setting
 class GatewayConfig:
     host: str = setting("0.0.0.0", help="address to serve on (default: %(default)s)")
     port: int = setting(8000, help="HTTP port (default: %(default)s)")
+    replicas: int = setting(
+        1,
+        help="gateway processes serving --port together (SO_REUSEPORT: the kernel spreads "
+        "connections over them); each routes on its own from the same health checks and "
+        "KV events, and they pass worker registrations on to one another; admission "
+        "limits hold per replica (default: %(default)s)",
+        minimum=1,
+    )
+    reuse_port: bool = setting(
+        False,
+        help="bind --port with SO_REUSEPORT so that other gateway processes on this host "
+        "serve it too (what --replicas sets on its replicas) (default: off)",
+    )
+    replica_port: int = setting(
+        0,
+        help="also serve on 127.0.0.1:PORT, this process alone: how replicas that share "
+        "--port reach one another (default: none)",
+        minimum=0,
+    )
+    peers: tuple[str, ...] = setting(
+        (),
+        help="the other gateway replicas (URLs): worker registrations and removals received "
+        "through the admin API are passed on to them, so that every replica routes to the "
+        "same workers (default: none)",
+        metavar="URL",
+    )
     prefill: tuple[str, ...] = setting(
         (),
         help="prefill worker URLs at start; more can join with the workers' --register or "

@@ -51,6 +51,9 @@ class GatewayState:
     """Adds and removes workers over the health checker's HTTP client."""
     admission: Admission = field(init=False)
     busy_poll: BusyPoller = field(init=False)
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+    """Tasks nobody awaits (admin changes passed on to peer replicas): held
+    here so that they are not collected while they run."""
     _facts_lock: asyncio.Lock = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

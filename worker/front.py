@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
@@ -52,6 +53,9 @@ REGISTER_REFUSALS = 3
 registering and exits; an unreachable or failing gateway is retried for as
 long as the worker runs (it may start first)."""
 REGISTER_MAX_DELAY_S = 5.0
+REREGISTER_S = 10.0
+"""How often a registered worker registers again with every address of the
+gateway's name (a replica that started or restarted since learns of it)."""
 LIVENESS_POLL_S = 0.2
 
 
@@ -418,49 +422,91 @@ async def _drain(state: FrontState, server: uvicorn.Server) -> None:
         server.should_exit = True
 
 
+def register_targets(url: str) -> list[str]:
+    """The gateways behind ``url``: one per address its host name resolves to
+    (a headless Kubernetes Service names every gateway replica), or ``url``
+    itself when it names one address (or cannot be resolved now)."""
+    parts = urlsplit(url.rstrip("/"))
+    host = parts.hostname
+    if not host:
+        return [url.rstrip("/")]
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        # IPv4 where the name has IPv4 addresses: "localhost" is 127.0.0.1
+        # and ::1, one gateway behind both.
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            return [url.rstrip("/")]
+    addresses = sorted({info[4][0] for info in infos})
+    if len(addresses) <= 1:
+        return [url.rstrip("/")]
+    return [f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{port}{parts.path}" for a in addresses]
+
+
 async def _register(
     config: WorkerConfig, server: uvicorn.Server, engine: EngineHandle, state: FrontState
 ) -> None:
-    """Tell the gateway at ``config.register`` about this worker. A gateway
-    that is not up (yet) is retried for as long as the worker runs; one that
-    refuses the registration (wrong key, role) ``REGISTER_REFUSALS`` times
-    stops the worker with that reason: a worker nobody routes to must not
-    look healthy."""
+    """Tell the gateways at ``config.register`` about this worker: every
+    address the name resolves to, looked up and told again every
+    ``REREGISTER_S``, so that a gateway replica that starts later, or one
+    that restarted, learns of this worker too. A
+    gateway that is not up (yet) is retried for as long as the worker runs;
+    refusals (wrong key, role) ``REGISTER_REFUSALS`` times in a row stop the
+    worker with that reason: a worker nobody routes to must not look healthy."""
     assert config.register is not None
     while not server.started:
         await asyncio.sleep(0.05)
-    url = f"{config.register.rstrip('/')}/admin/workers"
     body = {"url": config.url, "role": config.role}
     key = config.register_key or config.cluster_token
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     delay, refusals, attempt = 0.5, 0, 0
+    registered: set[str] = set()
     async with httpx.AsyncClient(timeout=5.0) as client:
         while True:
-            attempt += 1
-            try:
-                await engine.ask(CtrlOp.PING)
-                resp = await client.post(url, json=body, headers=headers)
-                if resp.is_success:
-                    log.info("registered with %s as %s (%s)", url, config.url, config.role)
-                    return
-                why = f"{url} answered {resp.status_code}: {resp.text[:200]}"
-                if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
-                    refusals += 1
-                    log.error(
-                        "registration refused (%d of %d): %s", refusals, REGISTER_REFUSALS, why
+            # Every round posts to every address again: a gateway that
+            # restarted (same name, maybe the same address) has forgotten us.
+            targets = register_targets(config.register)
+            registered &= set(targets)  # an address that left may come back
+            for target in targets:
+                attempt += 1
+                url = f"{target}/admin/workers"
+                try:
+                    await engine.ask(CtrlOp.PING)
+                    resp = await client.post(url, json=body, headers=headers)
+                    if resp.is_success:
+                        if target not in registered:
+                            log.info("registered with %s as %s (%s)", url, config.url, config.role)
+                        registered.add(target)
+                        refusals = 0
+                        continue
+                    why = f"{url} answered {resp.status_code}: {resp.text[:200]}"
+                    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                        refusals += 1
+                        log.error(
+                            "registration refused (%d of %d): %s",
+                            refusals,
+                            REGISTER_REFUSALS,
+                            why,
+                        )
+                        if refusals >= REGISTER_REFUSALS:
+                            state.failure = f"the gateway refused the registration: {why}"
+                            server.should_exit = True
+                            return
+                    else:
+                        log.warning("registration attempt %d: %s", attempt, why)
+                except (httpx.HTTPError, EngineUnavailable) as e:
+                    (log.info if attempt == 1 else log.warning)(
+                        "registration attempt %d with %s failed (retrying): %s", attempt, url, e
                     )
-                    if refusals >= REGISTER_REFUSALS:
-                        state.failure = f"the gateway refused the registration: {why}"
-                        server.should_exit = True
-                        return
-                else:
-                    log.warning("registration attempt %d: %s", attempt, why)
-            except (httpx.HTTPError, EngineUnavailable) as e:
-                (log.info if attempt == 1 else log.warning)(
-                    "registration attempt %d with %s failed (retrying): %s", attempt, url, e
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, REGISTER_MAX_DELAY_S)
+            if len(registered) == len(targets):
+                delay = 0.5
+                await asyncio.sleep(REREGISTER_S)
+            else:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REGISTER_MAX_DELAY_S)
 
 
 async def _serve(config: WorkerConfig, role: Role) -> str | None:
