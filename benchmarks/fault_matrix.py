@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[MatrixConfig, argparse.Na
         "--prefill", type=int, default=None, help="prefill workers (default 2; short: 1)"
     )
     ap.add_argument("--decode", type=int, default=2, help="decode workers (default %(default)s)")
+    ap.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway replicas, the clients spread over them; kill-gateway needs 2 "
+        "(default %(default)s)",
+    )
     ap.add_argument("--transfer-backend", default="tcp", choices=sorted(TRANSFER_BACKENDS))
     ap.add_argument(
         "--model", default=None, help="checkpoint dir (default: the built-in tiny model)"
@@ -144,6 +151,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[MatrixConfig, argparse.Na
         short_config() if ns.short else MatrixConfig(),
         **{k: v for k, v in given.items() if v is not None},
         decode=ns.decode,
+        gateways=ns.gateways,
         backend=ns.transfer_backend,
         model=ns.model,
         scenarios=scenarios,

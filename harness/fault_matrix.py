@@ -20,6 +20,9 @@ fixed set of token-id prompts with ``engine.llm.LLM``, and runs
   admin-readd     a decode worker removed through the admin API, then added back
   malformed       a burst of malformed requests beside the load (each must be a 4xx)
   overload        a burst of many more streams than the gateway admits (429 + Retry-After)
+  kill-gateway    with two gateway replicas (``gateways=2``, each with half the clients):
+                  SIGKILL one under load, restart it; its clients may fail, the
+                  other's must not
 
 Per scenario a ``Result``: requests; ok (output equal to the offline
 engine's); wrong (any token that differs, even in a stream that then failed);
@@ -74,6 +77,7 @@ ALL_SCENARIOS = (
     "admin-readd",
     "malformed",
     "overload",
+    "kill-gateway",
 )
 SHORT_SCENARIOS = ("kill-decode", "kv-drop", "disconnect", "malformed")
 KV_FAULTS = ("kv-drop", "kv-delay")
@@ -112,6 +116,8 @@ class MatrixConfig:
     prompts: int = 24
     seed: int = 0
     log_dir: Path | None = None
+    gateways: int = 1
+    """Gateway replicas (the clients are spread over them); kill-gateway needs 2."""
 
 
 def short_config(**overrides: Any) -> MatrixConfig:
@@ -167,6 +173,8 @@ class Record:
     first_token: float | None = None
     ended: float | None = None
     error: str = ""
+    via: int = 0
+    """The gateway replica it was sent to."""
 
 
 def _error_outcome(error: dict[str, Any]) -> tuple[str, str]:
@@ -262,14 +270,16 @@ class Load:
 
     def __init__(
         self,
-        url: str,
+        url: str | list[str],
         model: str,
         prompts: list[Prompt],
         clients: int,
         hang_s: float,
         hang_up: bool = False,
     ) -> None:
-        self.url, self.model, self.prompts = url, model, prompts
+        """``url``: one gateway, or replicas (client ``c`` uses ``url[c % n]``)."""
+        self.urls = [url] if isinstance(url, str) else list(url)
+        self.model, self.prompts = model, prompts
         self.clients, self.hang_s, self.hang_up = clients, hang_s, hang_up
         self.records: list[Record] = []
         self._stop = asyncio.Event()
@@ -288,10 +298,15 @@ class Load:
                 prompt = self.prompts[i % len(self.prompts)]
                 i += self.clients
                 hang_up = rng.randrange(1, 4) if self.hang_up and c % 2 == 0 else None
-                rec = await stream_one(http, self.url, self.model, prompt, self.hang_s, hang_up)
+                via = c % len(self.urls)
+                url = self.urls[via]
+                rec = await stream_one(http, url, self.model, prompt, self.hang_s, hang_up)
+                rec.via = via
                 self.records.append(rec)
                 if rec.outcome == "rejected":
                     await asyncio.sleep(0.2)  # as told by Retry-After, shortened
+                elif rec.error.startswith("ConnectError"):
+                    await asyncio.sleep(0.2)  # nobody listens (a killed replica): retry later
 
     async def stop(self) -> None:
         self._stop.set()
@@ -434,33 +449,45 @@ class Matrix:
             Worker.make(f"decode-{i}", "decode", log_dir, model=cfg.model, env=env, **settings)
             for i in range(cfg.decode)
         ]
-        self.gateway = Gateway.make(
-            log_dir / "gateway.log",
-            [
-                "--prefill",
-                *(w.url for w in self.prefill),
-                "--decode",
-                *(w.url for w in self.decode),
-                "--health-interval-s",
-                "1",
-                "--worker-timeout-s",
-                "20",
-                "--request-timeout-s",
-                "60",
-                "--max-concurrent-requests",
-                str(2 * cfg.clients),
-                "--max-queued-tokens",
-                "800",
-                "--max-queue-wait-s",
-                "5",
-                "--log-level",
-                "info",
-            ],
-            env={CLUSTER_TOKEN_ENV: self.token},
-            admin_key=self.admin_key,
-        )
+        self.gateways = [
+            Gateway.make(
+                log_dir / f"gateway-{i}.log",
+                self._gateway_args(cfg),
+                env={CLUSTER_TOKEN_ENV: self.token},
+                admin_key=self.admin_key,
+                name=f"gateway-{i}",
+            )
+            for i in range(cfg.gateways)
+        ]
+        for g in self.gateways:  # replicas: admin changes reach every one
+            others = [o.url for o in self.gateways if o is not g]
+            if others:
+                g.cmd += ["--peers", *others]
+        self.gateway = self.gateways[0]
         self.prompts: list[Prompt] = []
         self.model_name = ""
+
+    def _gateway_args(self, cfg: MatrixConfig) -> list[str]:
+        return [
+            "--prefill",
+            *(w.url for w in self.prefill),
+            "--decode",
+            *(w.url for w in self.decode),
+            "--health-interval-s",
+            "1",
+            "--worker-timeout-s",
+            "20",
+            "--request-timeout-s",
+            "60",
+            "--max-concurrent-requests",
+            str(2 * cfg.clients),
+            "--max-queued-tokens",
+            "800",
+            "--max-queue-wait-s",
+            "5",
+            "--log-level",
+            "info",
+        ]
 
     @property
     def workers(self) -> list[Worker]:
@@ -473,7 +500,10 @@ class Matrix:
         self.prompts = reference(self.cfg.model, prompts)  # while the workers load
         for w in self.workers:
             w.wait_healthy()
-        self.gateway.start().wait_http()
+        for g in self.gateways:
+            g.start()
+        for g in self.gateways:
+            g.wait_http()
         models = httpx.get(f"{self.gateway.url}/v1/models", timeout=10).json()
         self.model_name = models["data"][0]["id"]
         # Every worker must be in routing before the first scenario.
@@ -482,14 +512,17 @@ class Matrix:
             raise RuntimeError(f"workers not all available: {self.gateway.workers()}")
 
     def _all_available(self) -> bool:
-        ws = self.gateway.workers()
-        return all(
-            ws.get(w.url, {}).get("healthy") and ws[w.url]["breaker"] == "closed"
-            for w in self.workers
-        )
+        for g in self.gateways:
+            ws = g.workers()
+            if not all(
+                ws.get(w.url, {}).get("healthy") and ws[w.url]["breaker"] == "closed"
+                for w in self.workers
+            ):
+                return False
+        return True
 
     def stop(self) -> None:
-        stop_all([self.gateway, *self.workers])
+        stop_all([*self.gateways, *self.workers])
 
     # -- running one scenario ----------------------------------------------------
 
@@ -498,9 +531,12 @@ class Matrix:
         if name in KV_FAULTS and self.cfg.backend not in KV_FAULT_BACKENDS:
             result.notes.append(f"{' and '.join(KV_FAULT_BACKENDS)} only")
             return result
+        if name == "kill-gateway" and len(self.gateways) < 2:
+            result.notes.append("needs two gateway replicas (--gateways 2)")
+            return result
         t0 = time.monotonic()
         load = Load(
-            self.gateway.url,
+            [g.url for g in self.gateways],
             self.model_name,
             self.prompts,
             self.cfg.clients,
@@ -517,10 +553,45 @@ class Matrix:
         finally:
             await load.stop()
         records = load.records + extra
+        if name == "kill-gateway":
+            records = self._killed_replica_records(result, records)
         self._count(result, records, fault_at)
         await asyncio.to_thread(self._quiesce, result)
         result.seconds = round(time.monotonic() - t0, 1)
         return result
+
+    async def _kill_gateway(self, result: Result, extra: list[Record]) -> float:
+        """SIGKILL the last replica under load, restart it after the fault."""
+        g = self.gateways[-1]
+        at = time.monotonic()
+        await asyncio.to_thread(g.kill)
+        await asyncio.sleep(self.cfg.fault_s)
+        g.start()
+        await asyncio.to_thread(g.wait_http)
+        await asyncio.to_thread(wait_until, self._all_available, 30)
+        await asyncio.sleep(self.cfg.after_s)
+        return at
+
+    def _killed_replica_records(self, result: Result, records: list[Record]) -> list[Record]:
+        """The killed replica's clients may see their streams cut and their
+        connections refused: counted as failed with that reason, not as 5xx.
+        The other replicas' clients must see nothing of it."""
+        killed = len(self.gateways) - 1
+        out = []
+        for r in records:
+            if r.via == killed and r.outcome == "server_error":
+                r.outcome = "failed"
+                r.error = f"its gateway replica was killed: {r.error}"
+            out.append(r)
+        survivors = [r for r in records if r.via != killed and r.outcome not in ("ok", "rejected")]
+        if survivors:
+            result.notes.append(
+                f"{len(survivors)} requests through the surviving replica did not succeed"
+            )
+            for r in survivors:
+                if r.outcome == "failed":
+                    r.outcome = "server_error"
+        return out
 
     async def _baseline(self, result: Result, extra: list[Record]) -> float | None:
         await asyncio.sleep(self.cfg.fault_s + self.cfg.after_s)
@@ -698,10 +769,13 @@ class Matrix:
                     why.append(f"{w.name}: {busy} busy, {lost} pages short")
                 stuck += busy
                 leaked += max(0, lost)
-            for url, g in self.gateway.workers().items():
-                if g["outstanding_requests"]:
-                    stuck += g["outstanding_requests"]
-                    why.append(f"gateway: {g['outstanding_requests']} outstanding on {url}")
+            for gw in self.gateways:
+                if not gw.alive:
+                    continue
+                for url, g in gw.workers().items():
+                    if g["outstanding_requests"]:
+                        stuck += g["outstanding_requests"]
+                        why.append(f"{gw.name}: {g['outstanding_requests']} outstanding on {url}")
             return leaked, stuck, why
 
         last: tuple[int, int, list[str]] = (0, 0, [])
@@ -738,7 +812,7 @@ async def run_matrix(cfg: MatrixConfig, on_result: Callable[[Result], None]) -> 
             on_result(result)
             await asyncio.to_thread(_wait_settled, matrix)
     except BaseException:
-        for p in [*matrix.workers, matrix.gateway]:
+        for p in [*matrix.workers, *matrix.gateways]:
             print(f"--- {p.name} ---\n{p.log_tail(40)}", file=sys.stderr)
         raise
     finally:

@@ -44,3 +44,23 @@ def test_short_fault_matrix(tmp_path: Path) -> None:
     assert by_name["kv-drop"].failed >= 1, report
     assert by_name["disconnect"].disconnected > 0, report
     assert by_name["malformed"].failed >= 40, report
+
+
+def test_a_killed_gateway_replica_fails_only_its_clients(tmp_path: Path) -> None:
+    """Two gateway replicas, half the clients on each: one is SIGKILLed under
+    load and restarted. Its clients see errors; the other's see none; the
+    workers drain the killed replica's requests (nothing leaked or stuck)."""
+    logs = tmp_path / "logs"
+    results: list[Result] = []
+    cfg = short_config(log_dir=logs, gateways=2, scenarios=("kill-gateway",))
+    try:
+        asyncio.run(run_matrix(cfg, results.append))
+    finally:
+        tails = "\n".join(
+            f"----- {p.name} -----\n{log_tail(p, 60)}" for p in sorted(logs.glob("*.log"))
+        )
+        report = f"{json.dumps([asdict(r) for r in results], indent=1)}\n{tails}"
+    (r,) = results
+    assert not r.bad and not r.notes, report
+    assert r.ok > 0 and r.failed > 0, report
+    assert r.wrong == r.hung == r.leaked_pages == r.stuck == r.server_errors == 0, report
