@@ -34,7 +34,9 @@ Signals (``PoolSignals``; workers that are down or draining do not count):
 - decode queue time: the 90th percentile of the gap between a choice's first
   token and the next (for a disaggregated request: the KV transfer's tail, the
   wait for a decode slot or pages, and one decode step).
-- TTFT and TPOT: 90th and 99th percentiles over the window, and the fraction
+- decode step floor: ``--planner-decode-step-floor-s``, or (auto) the lowest
+  median TPOT of any evaluation so far.
+- TTFT and TPOT: 50th (TPOT), 90th and 99th percentiles over the window, and the fraction
   of choices within ``--slo-ttft-s`` / ``--slo-tpot-s`` (attainment).
 
 The rule (``recommend``), in replicas ("worker-equivalents" before rounding):
@@ -43,15 +45,21 @@ The rule (``recommend``), in replicas ("worker-equivalents" before rounding):
   / ``--slo-ttft-s``: enough workers to keep up with the arrivals at the target
   busy fraction, plus enough to drain the queued prompt tokens within the TTFT
   objective at the measured per-worker throughput.
-- decode demand = sum of the decode workers' loads / ``--planner-decode-utilization``:
-  the KV pages and batch slots in use, spread so that no worker passes the
-  target (more requests per worker also mean slower decode steps).
+- decode demand = sum of the decode workers' loads / ``--planner-decode-utilization``,
+  times how much longer a decode step gets at that target than now: the KV
+  pages and batch slots in use, spread so that no worker passes the target,
+  corrected for the steps lengthening with the batch (linear from
+  ``--planner-decode-step-floor-s`` at batch 1 to the median TPOT at the
+  current batch; ``_step_growth``). Without the correction a pool measured
+  with room to spare would look as if half of it could go.
 - a pool whose objective is missed (TTFT p90 over ``--slo-ttft-s`` for
   prefill, TPOT p90 over ``--slo-tpot-s`` for decode) gets at least one
   replica more than it has and never shrinks.
-- recommended = ceil(demand), never below 1, and within a factor of
-  ``--planner-max-scale`` of the current count per evaluation (at least one
-  step either way), so that one noisy window moves a pool a bounded amount.
+- recommended = ceil(demand), never below 1, at most ``--planner-max-scale``
+  times the current count (one replica more at least) and at most one replica
+  fewer per evaluation: a pool grows fast and shrinks slowly (a pool shrunk
+  too far shows it in the windows that follow before it shrinks again), and
+  one noisy window moves it a bounded amount.
 """
 
 from __future__ import annotations
@@ -106,10 +114,20 @@ class PlannerConfig:
         "(default: %(default)s)",
         group=PLANNER_GROUP,
     )
+    planner_decode_step_floor_s: float | None = setting(
+        None,
+        help="a decode worker's step time at batch 1 (bench_engine's figure for the model "
+        "and GPU), from which the planner extrapolates how decode steps lengthen as a "
+        "smaller pool's batches grow; auto: the lowest median TPOT this gateway has seen",
+        group=PLANNER_GROUP,
+        metavar="SECONDS",
+        minimum=0,
+    )
     planner_max_scale: float = setting(
         2.0,
-        help="one evaluation changes a pool's recommended replicas by at most this factor "
-        "(and by one replica at least) (default: %(default)s)",
+        help="one evaluation grows a pool's recommended replicas by at most this factor "
+        "(one replica at least); it shrinks them by one replica at most "
+        "(default: %(default)s)",
         group=PLANNER_GROUP,
     )
 
@@ -119,6 +137,8 @@ class PlannerConfig:
         for name in ("planner_prefill_utilization", "planner_decode_utilization"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
+        if self.planner_decode_step_floor_s is not None and self.planner_decode_step_floor_s < 0:
+            raise ValueError("planner_decode_step_floor_s must be >= 0")
         if self.planner_max_scale < 1:
             raise ValueError("planner_max_scale must be >= 1")
 
@@ -160,6 +180,7 @@ class LatencySummary(NamedTuple):
     ttft_p99: float | None = None
     tpot_p90: float | None = None
     tpot_p99: float | None = None
+    tpot_p50: float | None = None
     ttft_attainment: float | None = None
     tpot_attainment: float | None = None
     second_gap_p90: float | None = None
@@ -211,6 +232,7 @@ class LatencyWindow:
             ttft_p99=quantile(ttft, 0.99),
             tpot_p90=quantile(tpot, 0.9),
             tpot_p99=quantile(tpot, 0.99),
+            tpot_p50=quantile(tpot, 0.5),
             ttft_attainment=sum(x <= slo_ttft_s for x in ttft) / len(ttft),
             tpot_attainment=sum(x <= slo_tpot_s for x in tpot) / len(tpot) if tpot else None,
             second_gap_p90=quantile(gaps, 0.9),
@@ -241,6 +263,10 @@ class PoolSignals(NamedTuple):
     """Sum over decode workers of max(KV utilization, slot load)."""
     decode_kv_utilization: float = 0.0
     """The largest decode worker's KV utilization."""
+    decode_requests: float = 0.0
+    """Requests running or waiting per decode worker (mean)."""
+    decode_step_floor_s: float | None = None
+    """A decode step's time at batch 1 (configured, or the lowest median TPOT seen)."""
     decode_queued: int = 0
     """Requests waiting for a slot or for pages on the decode workers."""
     latency: LatencySummary = LatencySummary(0)
@@ -272,7 +298,9 @@ def recommend(signals: PoolSignals, config: PlannerConfig) -> Recommendation:
         signals.prefill_busy / config.planner_prefill_utilization
         + signals.prefill_backlog_s / config.slo_ttft_s
     )
-    decode_demand = signals.decode_load / config.planner_decode_utilization
+    decode_demand = (
+        signals.decode_load / config.planner_decode_utilization * _step_growth(signals, config)
+    )
     ttft_missed = lat.ttft_p90 is not None and lat.ttft_p90 > config.slo_ttft_s
     tpot_missed = lat.tpot_p90 is not None and lat.tpot_p90 > config.slo_tpot_s
     return Recommendation(
@@ -283,13 +311,38 @@ def recommend(signals: PoolSignals, config: PlannerConfig) -> Recommendation:
     )
 
 
+def _step_growth(signals: PoolSignals, config: PlannerConfig) -> float:
+    """How many times the load rule's decode workers the pool needs, once its
+    steps lengthen with the larger batches of the target (>= 1).
+
+    Decode steps lengthen with the batch: t(c) = floor + k * c for c requests
+    per worker, k from now (t(c) = the median TPOT). The load rule fills each
+    worker to c_u = c * target / load requests; it delivers c_u / t(c_u)
+    tokens per second, not the c_u / t(c) the rule assumes, and where t(c_u)
+    would pass the TPOT objective it may hold only c* < c_u requests. The pool
+    needs (c_u / c*) * (t(c*) / t(c)) times the rule's workers: a pool
+    measured with room to spare (small batches, short steps) needs more than
+    its load says.
+    """
+    step, floor = signals.latency.tpot_p50, signals.decode_step_floor_s
+    c, load = signals.decode_requests, signals.decode_load / max(1, signals.decode_replicas)
+    if step is None or floor is None or step <= floor or c <= 0 or load <= 0:
+        return 1.0
+    k = (step - floor) / c
+    filled = c * config.planner_decode_utilization / load
+    held = min(filled, max(c, (config.slo_tpot_s - floor) / k))
+    return max(1.0, filled / held * (floor + k * held) / step)
+
+
 def _replicas(demand: float, current: int, slo_missed: bool, config: PlannerConfig) -> int:
     want = math.ceil(demand - 1e-9)
     if slo_missed:
         want = max(want, current + 1)
-    scale = config.planner_max_scale
-    upper = max(current + 1, math.floor(current * scale))
-    lower = current if slo_missed else min(current - 1, math.ceil(current / scale))
+    # Up fast, down slowly: a pool measured while it has room to spare
+    # understates what a smaller one needs (its batches, and so its steps,
+    # grow as it shrinks), so it gives back one replica per evaluation.
+    upper = max(current + 1, math.floor(current * config.planner_max_scale))
+    lower = current if slo_missed else current - 1
     return max(1, lower, min(upper, want))
 
 
@@ -349,6 +402,8 @@ class Planner:
         self.config = config or PlannerConfig()
         self.samples = LatencyWindow(self.config.planner_window_s, clock)
         self._rates: dict[str, _WorkerRates] = {}
+        self._fastest_tpot: float | None = None
+        """The lowest median TPOT of any evaluation: the step floor's estimate."""
 
     def configure(self, config: PlannerConfig) -> None:
         """Use ``config`` from now on (the command line's, once it is known);
@@ -388,7 +443,7 @@ class Planner:
         in_flight = sum(w.outstanding_requests for w in prefill)
         mean_prompt = sum(w.outstanding_tokens for w in prefill) / in_flight if in_flight else 0.0
 
-        load = kv_max = 0.0
+        load = kv_max = requests = 0.0
         decode_queued = 0
         for w in decode:
             s = w.stats
@@ -397,6 +452,7 @@ class Planner:
             kv = min(1.0, max(0.0, kv))
             waiting = int(_number(s, "waiting") + _number(s, "prealloc"))
             decode_queued += waiting
+            requests += _number(s, "running") + waiting
             slots = w.info.get("max_running_requests")
             slot_load = 0.0
             if isinstance(slots, int) and slots > 0:
@@ -404,6 +460,11 @@ class Planner:
             load += max(kv, slot_load)
             kv_max = max(kv_max, kv)
 
+        latency = self.samples.summary(cfg.slo_ttft_s, cfg.slo_tpot_s)
+        if latency.tpot_p50 is not None and decode:
+            seen_min = self._fastest_tpot
+            self._fastest_tpot = min(seen_min, latency.tpot_p50) if seen_min else latency.tpot_p50
+        floor = cfg.planner_decode_step_floor_s
         return PoolSignals(
             prefill_replicas=len(prefill),
             decode_replicas=len(decode),
@@ -415,7 +476,9 @@ class Planner:
             decode_load=load,
             decode_kv_utilization=kv_max,
             decode_queued=decode_queued,
-            latency=self.samples.summary(cfg.slo_ttft_s, cfg.slo_tpot_s),
+            decode_requests=requests / len(decode) if decode else 0.0,
+            decode_step_floor_s=self._fastest_tpot if floor is None else floor,
+            latency=latency,
         )
 
     def evaluate(self, workers: Iterable[WorkerInfo]) -> tuple[PoolSignals, Recommendation]:
