@@ -1,7 +1,7 @@
 """Prefill:decode ratios on a simulated fleet, and the ratio the planner picks.
 
 For each workload (short prompts / long outputs: 128 in, 1024 out, 140 req/s;
-long prompts / short outputs: 4096 in, 64 out, 80 req/s; mixed: half of each,
+long prompts / short outputs: 4096 in, 64 out, 85 req/s; mixed: half of each,
 100 req/s; ``--rate-scale`` scales the rates), every ratio P:D of
 ``--ratios`` splits ``--total-workers`` into P prefill and D decode workers,
 and one open-loop run sends the same Poisson arrivals through them for
@@ -78,7 +78,7 @@ class Workload(NamedTuple):
 
 WORKLOADS = (
     Workload("short-in-long-out", ((128, 1024),), 140.0),
-    Workload("long-in-short-out", ((4096, 64),), 80.0),
+    Workload("long-in-short-out", ((4096, 64),), 85.0),
     Workload("mixed", ((128, 1024), (4096, 64)), 100.0),
 )
 
