@@ -118,7 +118,8 @@ class PlannerConfig:
         None,
         help="a decode worker's step time at batch 1 (bench_engine's figure for the model "
         "and GPU), from which the planner extrapolates how decode steps lengthen as a "
-        "smaller pool's batches grow; auto: the lowest median TPOT this gateway has seen",
+        "smaller pool's batches grow; auto: the lowest median TPOT this gateway has seen "
+        "(default: auto)",
         group=PLANNER_GROUP,
         metavar="SECONDS",
         minimum=0,
