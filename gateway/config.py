@@ -1,7 +1,8 @@
 """Gateway configuration.
 
 ``GatewayConfig`` holds the gateway's settings and, nested, the router's
-(``RouterConfig``) and the admission queue's (``AdmissionConfig``). Each is a
+(``RouterConfig``), the admission queue's (``AdmissionConfig``) and the
+planner's (``PlannerConfig``). Each is a
 ``setting`` (``protocol.settings``): its default and its help text live on
 the field, once, and ``python -m gateway``'s command line is generated from
 them, one flat flag per setting (``--health-interval-s`` for

@@ -60,6 +60,7 @@ class GatewayState:
         self.admin = WorkerAdmin(self.router, self.health.probe, admit=self.health.admit)
         self.admission = Admission(self.config.admission, self._worker_capacity)
         self.busy_poll = BusyPoller(self.config.busy_poll_linger_s)
+        self.metrics.planner.configure(self.config.planner)
         self._facts_lock = asyncio.Lock()
         # What a worker must pass before it takes requests: its request plane
         # (the cluster token) first, then the model (a tokenizer to take, or

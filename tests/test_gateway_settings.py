@@ -17,6 +17,7 @@ from gateway.__main__ import _embedded_config, _gateway_config, build_parser, ma
 from gateway.admission import AdmissionConfig
 from gateway.config import GatewayConfig, flags
 from gateway.embedded import EMBEDDED_SETTINGS, EmbeddedConfig
+from gateway.planner import PlannerConfig
 from gateway.routing import RouterConfig
 from protocol import settings
 from protocol.settings import CLUSTER_TOKEN_ENV, LOG_LEVELS, setting
@@ -106,8 +107,8 @@ def parse(argv: list[str]) -> tuple[GatewayConfig, EmbeddedConfig]:
 
 def test_every_setting_is_a_flag() -> None:
     by_dest = {a.dest: a for a in build_parser()._actions}
-    nested = {"router", "admission"}
-    for cls in (GatewayConfig, RouterConfig, AdmissionConfig):
+    nested = {"router", "admission", "planner"}
+    for cls in (GatewayConfig, RouterConfig, AdmissionConfig, PlannerConfig):
         for f in dataclasses.fields(cls):
             if f.name in nested:
                 continue

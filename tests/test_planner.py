@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from gateway.__main__ import _gateway_config, build_parser, main
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics, RequestTiming
 from gateway.planner import (
     LatencySummary,
@@ -23,7 +25,8 @@ from gateway.planner import (
     PoolSignals,
     recommend,
 )
-from gateway.routing import Router, WorkerInfo
+from gateway.routing import HealthChecker, Router, RouterConfig, WorkerInfo
+from gateway.state import GatewayState
 from protocol.settings import CLUSTER_TOKEN_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -285,6 +288,14 @@ def test_the_flags_parse_into_the_planner_config() -> None:
         planner_max_scale=3,
     )
     assert _gateway_config(build_parser().parse_args([])).planner == PlannerConfig()
+
+
+def test_the_gateway_state_runs_the_configured_planner() -> None:
+    config = GatewayConfig(planner=PlannerConfig(slo_ttft_s=0.3, planner_window_s=15))
+    router = Router(RouterConfig())
+    state = GatewayState(config, router, HealthChecker(router), Dispatcher(router, 5.0))
+    assert state.metrics.planner.config == config.planner
+    assert state.metrics.planner.samples.window_s == 15
 
 
 @pytest.mark.parametrize(
