@@ -4,7 +4,10 @@
         --batch-sizes 1 8 32 --input-len 512 --decode-steps 32
 
 ``--model`` is a checkpoint dir or a preset name (presets use dummy weights).
-Prints a table and writes a JSON record to ``--output-file``.
+``--hf`` then times HF transformers' own model of the same config in the same
+run (random weights, batch 1: a forward of ``--input-len`` tokens, and greedy
+``generate`` per new token), after this engine's model is freed. Prints a
+table and writes a JSON record to ``--output-file``.
 """
 
 from __future__ import annotations
@@ -137,7 +140,60 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="JSON file to write (default: benchmarks/results/engine-<model>-<date>.json)",
     )
+    ap.add_argument(
+        "--hf",
+        action="store_true",
+        help="also time HF transformers' model of the same config (batch 1), for the ratio",
+    )
     return ap
+
+
+def bench_hf(model: str, mc: ModelConfig, args: argparse.Namespace) -> dict:
+    """HF transformers' model of ``model``'s config: prefill of
+    ``--input-len`` tokens and greedy decode per token, batch 1."""
+    import transformers
+
+    raw = PRESETS.get(model)
+    if raw is None:
+        hf_cfg = transformers.AutoConfig.from_pretrained(model)
+    else:
+        cls = getattr(transformers, mc.architecture)
+        hf_cfg = cls.config_class(**raw)
+    with torch.device(args.device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=mc.dtype).eval()
+    ids = torch.randint(3, mc.vocab_size, (1, args.input_len), device=args.device)
+    with torch.inference_mode():
+        hf(ids)  # warm-up
+        sync(args.device)
+        t0 = time.perf_counter()
+        hf(ids)
+        sync(args.device)
+        prefill_s = time.perf_counter() - t0
+
+        def generate(n: int) -> float:
+            sync(args.device)
+            t = time.perf_counter()
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            sync(args.device)
+            return time.perf_counter() - t
+
+        generate(2)  # warm-up
+        one, many = generate(1), generate(1 + args.decode_steps)
+    return {
+        "batch_size": 1,
+        "input_len": args.input_len,
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": args.input_len / prefill_s,
+        "decode_ms_per_token": (many - one) / args.decode_steps * 1e3,
+        "transformers": transformers.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,6 +239,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['batch_size']:>6} {r['input_len']:>6} {r['prefill_tokens_per_s']:>14.0f} "
             f"{r['decode_step_ms_median']:>15.2f} {r['decode_tokens_per_s']:>13.0f}"
         )
+    hf_row = None
+    if args.hf:
+        del runner
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        hf_row = bench_hf(model, mc, args)
+        ours = next((r for r in rows if r["batch_size"] == 1), None)
+        print(
+            f"HF transformers {hf_row['transformers']}: prefill {hf_row['input_len']} tokens "
+            f"{hf_row['prefill_s'] * 1e3:.1f} ms, decode {hf_row['decode_ms_per_token']:.2f} ms/token"
+            + (
+                f" ({hf_row['decode_ms_per_token'] / ours['decode_step_ms_median']:.1f}x ours)"
+                if ours
+                else ""
+            )
+        )
     name = Path(model).name if Path(model).exists() else model
     body = {
         "model": name,
@@ -192,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
         "page_size": cfg.page_size,
         "results": rows,
+        "hf_transformers": hf_row,
     }
     stem = f"engine-{name.replace('/', '_')}"
     write_record(

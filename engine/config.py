@@ -239,6 +239,13 @@ class EngineConfig:
             num_heads=m.num_heads,
             num_kv_heads=m.num_kv_heads,
             intermediate_size=m.intermediate_size,
+            # Every rank holds a slice of every expert.
+            expert_sizes={
+                "moe_intermediate_size": m.moe.intermediate_size,
+                "shared_expert_intermediate_size": m.moe.shared_expert_intermediate_size,
+            }
+            if m.moe
+            else None,
         )
         device = resolve_device(self.device)
         on_cuda = device.startswith("cuda")

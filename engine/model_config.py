@@ -13,7 +13,15 @@ import torch
 
 from engine.presets import PRESETS
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -41,6 +49,27 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts model: a router picks ``top_k`` of
+    ``num_experts`` gated MLPs per token and sums their outputs weighted by the
+    router's softmax (renormalized over the chosen ones with ``norm_topk_prob``);
+    Qwen2-MoE adds a shared expert whose output a sigmoid gate scales."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the sparse one (else the dense
+        ``intermediate_size`` MLP, as Qwen2-MoE's ``mlp_only_layers`` ask)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -60,6 +89,11 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None
+    """None for a dense model."""
+
+    def sparse_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse(layer)
 
     @property
     def q_size(self) -> int:
@@ -116,7 +150,10 @@ class ModelConfig:
             dtype = DTYPES.get(str(name), torch.float32)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(
+            cfg.get("attention_bias", False)
+        )
+        moe = _moe_config(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -132,10 +169,11 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=dtype,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            moe=moe,
         )
 
     @classmethod
@@ -168,6 +206,38 @@ class ModelConfig:
             except json.JSONDecodeError:
                 pass
         return cls.from_dict(cfg, dtype)
+
+
+def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    # Qwen's checkpoints say num_experts, Mixtral's (and transformers >= 5 on
+    # saving any of them) num_local_experts.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not experts or not top_k:
+        raise ModelConfigError(f"{arch} config.json lacks num_experts or num_experts_per_tok")
+    experts, top_k = int(experts), int(top_k)
+    if not 1 <= top_k <= experts:
+        raise ModelConfigError(f"num_experts_per_tok ({top_k}) must be in 1..{experts}")
+    mixtral = arch == "MixtralForCausalLM"
+    if not mixtral and cfg.get("moe_intermediate_size") is None:
+        raise ModelConfigError(f"{arch} config.json lacks moe_intermediate_size")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ModelConfigError(f"decoder_sparse_step must be >= 1, got {step}")
+    return MoEConfig(
+        num_experts=experts,
+        top_k=top_k,
+        # Mixtral's experts are the dense MLP's size; it always renormalizes.
+        intermediate_size=int(
+            cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]
+        ),
+        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:

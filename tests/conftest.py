@@ -56,7 +56,71 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
         "LlamaConfig",
         dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False),
     ),
+    # Mixtures of experts: expert counts and top-k, with and without the
+    # renormalized top-k, a shared expert and a dense layer.
+    "qwen3moe-e8k2-norm": (
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen3moe-e16k4": (
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=16,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3moe-e4k1": (
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen2moe-shared": (
+        "Qwen2MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral-e4k2": (
+        "MixtralConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
+MOE_VARIANTS = [v for v, (cls, _) in TINY_VARIANTS.items() if "Moe" in cls or "Mixtral" in cls]
 
 
 def make_hf_model(variant: str, seed: int = 0) -> torch.nn.Module:
@@ -80,7 +144,7 @@ def make_hf_model(variant: str, seed: int = 0) -> torch.nn.Module:
     )
     overrides = copy.deepcopy(overrides)
     rope_scaling = overrides.pop("rope_scaling", None)
-    cfg = getattr(transformers, cls_name)(**base, **overrides)
+    cfg = getattr(transformers, cls_name)(**{**base, **overrides})
     if rope_scaling is not None:
         cfg.rope_parameters = {"rope_theta": base["rope_theta"], **rope_scaling}
     cfg._attn_implementation = "eager"

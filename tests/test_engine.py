@@ -56,7 +56,10 @@ GREEDY32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("variant", ["llama-gqa4-tied", "qwen2-gqa2", "qwen3-gqa4"])
+@pytest.mark.parametrize(
+    "variant",
+    ["llama-gqa4-tied", "qwen2-gqa2", "qwen3-gqa4", "qwen3moe-e8k2-norm", "qwen2moe-shared"],
+)
 def test_greedy_matches_hf_generate(hf_checkpoint, variant: str, page_size: int) -> None:
     path, hf = hf_checkpoint(variant)
     # A small token budget forces chunked prefill mixed with decode steps.

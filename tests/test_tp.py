@@ -54,7 +54,15 @@ def _steps(rng: random.Random, vocab: int) -> list[list[ExtendSpec]]:
 
 @pytest.mark.parametrize(
     "variant",
-    ["llama-mha-llama3rope", "llama-gqa4-tied", "qwen2-gqa2", "qwen3-gqa4", "llama-mqa"],
+    [
+        "llama-mha-llama3rope",
+        "llama-gqa4-tied",
+        "qwen2-gqa2",
+        "qwen3-gqa4",
+        "llama-mqa",
+        "qwen3moe-e8k2-norm",
+        "qwen2moe-shared",
+    ],
 )
 def test_tp2_logits_and_pools_equal_one_device(hf_checkpoint, variant: str) -> None:
     path, _ = hf_checkpoint(variant)
@@ -110,6 +118,14 @@ def test_split_rules() -> None:
     check_split(4, num_heads=8, num_kv_heads=2, intermediate_size=128)
     with pytest.raises(ShardError, match=r"num_attention_heads \(4\).*intermediate_size"):
         check_split(3, num_heads=4, num_kv_heads=4, intermediate_size=128)
+    with pytest.raises(ShardError, match=r"moe_intermediate_size \(6\)"):
+        check_split(
+            4,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=8,
+            expert_sizes={"moe_intermediate_size": 6},
+        )
     with pytest.raises(ShardError, match=r"num_key_value_heads \(2\)"):
         check_split(3, num_heads=6, num_kv_heads=2, intermediate_size=6)
     assert rank_device("cuda", 1) == "cuda:1"

@@ -7,6 +7,7 @@ from torch import nn
 from engine.layers.kernels import LayerKernels
 from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.parallel.group import TPGroup
@@ -15,6 +16,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
 

@@ -1,16 +1,21 @@
 """Llama-family decoder. Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm) differ only in
-flags of ``ModelConfig``, so they reuse these modules."""
+flags of ``ModelConfig``, so they reuse these modules; so do the mixture-of-
+experts models (``ModelConfig.moe``), whose sparse layers take
+``engine.layers.moe.SparseMoE`` for the MLP."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.layers import moe
 from engine.layers.gemv import linear
 from engine.layers.kernels import LayerKernels, RotaryInput
+from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -55,14 +60,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: LayerKernels, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kernels: LayerKernels,
+        tp: TPGroup | None = None,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.kernels = kernels
-        self.gate_up_proj = tp_layers.gate_up_proj(cfg, tp)
-        self.down_proj = tp_layers.down_proj(cfg, tp)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = tp_layers.gate_up_proj(cfg, tp, inter)
+        self.down_proj = tp_layers.down_proj(cfg, tp, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x), self.kernels.silu_and_mul)
+
+
+def _mlp(cfg: ModelConfig, layer: int, kernels: LayerKernels, tp: TPGroup | None) -> nn.Module:
+    """The layer's dense MLP, or its sparse mixture of experts."""
+    if cfg.moe is None or not cfg.moe.sparse(layer):
+        return MLP(cfg, kernels, tp)
+    shared_size = cfg.moe.shared_expert_intermediate_size
+    shared = MLP(cfg, kernels, tp, shared_size) if shared_size else None
+    return SparseMoE(cfg, tp, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -73,7 +94,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = Attention(cfg, layer, kernels, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, kernels, tp)
+        self.mlp = _mlp(cfg, layer, kernels, tp)
 
     def forward(
         self,
@@ -149,20 +170,32 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()
 
+    def _expected_shards(self, param: str) -> set[Any]:
+        """The checkpoint shards that together fill ``param`` (``{None}``: one
+        tensor of its own name)."""
+        owner, leaf = param.rsplit(".", 1)
+        module = self.get_submodule(owner)
+        per_param = getattr(module, "param_shards", None)
+        if per_param is not None:
+            return set(per_param[leaf])
+        return set(getattr(module, "shards", {None}))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each."""
         params = dict(self.named_parameters())
-        expected = {
-            n: set(getattr(self.get_submodule(n.rsplit(".", 1)[0]), "shards", {None}))
-            for n in params
-        }
-        seen: dict[str, set[str | None]] = {n: set() for n in params}
+        expected = {n: self._expected_shards(n) for n in params}
+        seen: dict[str, set[Any]] = {n: set() for n in params}
+        if self.config.moe is not None:
+            weights = moe.checkpoint_tensors(weights)
 
-        def targets(name: str) -> tuple[str, str | None] | None:
+        def targets(name: str) -> tuple[str, Any] | None:
             if "rotary_emb.inv_freq" in name:
                 return None
             if name == "lm_head.weight" and self.lm_head is None:
                 return None  # tied checkpoints may still store a copy
+            expert = moe.expert_target(name)
+            if expert is not None:
+                return expert
             for frag, (fused, shard) in self.stacked_params.items():
                 if frag in name:
                     return name.replace(frag, fused), shard

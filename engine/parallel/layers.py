@@ -115,18 +115,17 @@ def o_proj(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
     return RowParallelLinear((q0 * cfg.head_dim, q1 * cfg.head_dim), cfg.hidden_size, tp)
 
 
-def gate_up_proj(cfg: ModelConfig, tp: TPGroup | None) -> MergedLinear:
-    inter = cfg.intermediate_size
+def gate_up_proj(cfg: ModelConfig, tp: TPGroup | None, inter: int) -> MergedLinear:
     if tp is None:
         return MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter}, False)
     part = tp.shard.even(inter)
     return ShardedMergedLinear(cfg.hidden_size, {"gate": part, "up": part}, False)
 
 
-def down_proj(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
+def down_proj(cfg: ModelConfig, tp: TPGroup | None, inter: int) -> nn.Module:
     if tp is None:
-        return Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-    return RowParallelLinear(tp.shard.even(cfg.intermediate_size), cfg.hidden_size, tp)
+        return Linear(inter, cfg.hidden_size, bias=False)
+    return RowParallelLinear(tp.shard.even(inter), cfg.hidden_size, tp)
 
 
 def embedding(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:

@@ -58,10 +58,18 @@ def kv_head_ranges(num_kv_heads: int, size: int) -> list[tuple[int, int]]:
     return [kv_head_range(num_kv_heads, size, r) for r in range(size)]
 
 
-def check_split(size: int, *, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+def check_split(
+    size: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    expert_sizes: dict[str, int] | None = None,
+) -> None:
     """Raise ``ShardError`` when a model of these sizes cannot run on ``size`` ranks."""
     if size < 1:
         raise ShardError(f"tp_size must be >= 1, got {size}")
+    expert_sizes = expert_sizes or {}
     problems = []
     if num_heads % size:
         problems.append(f"num_attention_heads ({num_heads}) is not a multiple of it")
@@ -73,5 +81,8 @@ def check_split(size: int, *, num_heads: int, num_kv_heads: int, intermediate_si
         )
     if intermediate_size % size:
         problems.append(f"intermediate_size ({intermediate_size}) is not a multiple of it")
+    for name, inter in expert_sizes.items():
+        if inter % size:
+            problems.append(f"{name} ({inter}) is not a multiple of it")
     if problems:
         raise ShardError(f"the model cannot be split over tp_size {size}: " + "; ".join(problems))

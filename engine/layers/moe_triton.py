@@ -1,0 +1,488 @@
+"""Fused mixture-of-experts kernels (Triton, CUDA; every shape static, so a
+CUDA graph captures them).
+
+Routing: ``route`` takes the router's logits ``[n, experts]`` to the top-k
+weights and expert ids in one kernel per token block (softmax in float32, k
+rounds of arg-max, optional renormalization).
+
+Experts, two paths chosen by the number of (token, expert) pairs:
+
+- **Few pairs** (decode at small batch): one program per pair and block of
+  output rows reads only that pair's expert, as a matrix-vector product.
+  ``gate_up`` computes the gate and up rows of a block together and stores
+  ``silu(gate) * up``; ``down`` gives each token its ``top_k`` experts'
+  products weighted by the router and summed, so no pair-sized output exists.
+  Three kernels per layer with the router's; weights read: the chosen
+  experts' only.
+- **Many pairs** (prefill, large batches): the pairs are grouped by expert
+  into segments padded to the GEMM's row block (``align``: one kernel, every
+  program counts all experts with a histogram and places its own expert's
+  pairs), then two grouped GEMMs run over the blocks: ``gate_up`` with SiLU-
+  and-mul in its epilogue, ``down`` with the router weight in its epilogue;
+  the ``top_k`` rows of a token are summed last. Each expert's weights are
+  read once per row block of its segment; blocks past the last segment exit.
+
+Accumulation is float32; intermediates are stored in the activations' dtype.
+float32 activations (a reference run on CUDA) multiply in IEEE float32, not
+TF32.
+``engine.layers.moe.experts_reference`` is the definition both paths are
+tested against.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, NamedTuple
+
+import torch
+
+SMALL_PAIRS = 32
+"""Up to this many (token, expert) pairs take the matrix-vector path."""
+
+
+class GemmTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def gemm_tiles(pairs: int, experts: int) -> GemmTiles:
+    """Row block by the average segment (the fewer pairs per expert, the less
+    padding a small block wastes), the rest from it."""
+    per_expert = pairs / experts
+    if per_expert <= 16:
+        return GemmTiles(16, 64, 128, 4, 4)
+    if per_expert <= 32:
+        return GemmTiles(32, 64, 128, 4, 4)
+    if per_expert <= 96:
+        return GemmTiles(64, 128, 64, 4, 4)
+    return GemmTiles(128, 128, 64, 8, 3)
+
+
+@cache
+def _kernels() -> dict[str, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def route_kernel(
+        logits,
+        weights,
+        ids,
+        n,
+        experts,
+        stride_l,
+        TOP_K: tl.constexpr,
+        RENORMALIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        e = tl.arange(0, BLOCK_E)
+        live = t < n
+        mask = live[:, None] & (e[None, :] < experts)
+        x = tl.load(logits + t[:, None] * stride_l + e[None, :], mask=mask, other=-float("inf"))
+        x = x.to(tl.float32)
+        x = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = x / tl.sum(x, axis=1)[:, None]
+        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, axis=1)
+            # The lowest index among equal maxima, as torch.topk on CPU.
+            arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), axis=1)
+            tl.store(weights + t * TOP_K + j, best, mask=live)
+            tl.store(ids + t * TOP_K + j, arg.to(tl.int32), mask=live)
+            total += best
+            p = tl.where(e[None, :] == arg[:, None], -1.0, p)
+        if RENORMALIZE:
+            for j in tl.static_range(TOP_K):
+                w = tl.load(weights + t * TOP_K + j, mask=live, other=1.0)
+                tl.store(weights + t * TOP_K + j, w / total, mask=live)
+
+    @triton.jit
+    def gemv_gate_up_kernel(
+        x,
+        w13,
+        ids,
+        act,
+        hidden,
+        inter,
+        stride_x,
+        stride_we,
+        stride_wn,
+        stride_a,
+        TOP_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pair = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        e = tl.load(ids + pair).to(tl.int64)
+        row = x + (pair // TOP_K) * stride_x
+        gate = w13 + e * stride_we + n[:, None] * stride_wn
+        up = gate + inter * stride_wn
+        live = n < inter
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < hidden
+            a = tl.load(row + k, mask=km, other=0.0).to(tl.float32)
+            m = live[:, None] & km[None, :]
+            acc_g += tl.sum(tl.load(gate + k[None, :], mask=m, other=0.0) * a[None, :], axis=1)
+            acc_u += tl.sum(tl.load(up + k[None, :], mask=m, other=0.0) * a[None, :], axis=1)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act + pair * stride_a + n, h.to(act.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def gemv_down_kernel(
+        act,
+        w2,
+        ids,
+        weights,
+        out,
+        hidden,
+        inter,
+        stride_a,
+        stride_we,
+        stride_wn,
+        stride_o,
+        TOP_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = n < hidden
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = t * TOP_K + j
+            e = tl.load(ids + pair).to(tl.int64)
+            w = tl.load(weights + pair)
+            base = w2 + e * stride_we + n[:, None] * stride_wn
+            part = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                km = k < inter
+                a = tl.load(act + pair * stride_a + k, mask=km, other=0.0).to(tl.float32)
+                b = tl.load(base + k[None, :], mask=live[:, None] & km[None, :], other=0.0)
+                part += tl.sum(b * a[None, :], axis=1)
+            acc += w * part
+        tl.store(out + t * stride_o + n, acc.to(out.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def align_kernel(
+        ids,
+        sorted_pairs,
+        block_expert,
+        pairs,
+        BLOCK_M: tl.constexpr,
+        BINS: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        # Program e: where expert e's segment starts (the padded sizes of the
+        # experts before it, from a histogram of all pairs), then its pairs in
+        # their original order, the padding, and the expert of its blocks.
+        # ``BINS`` exceeds the expert count: the last bin takes the padding.
+        me = tl.program_id(0)
+        counts = tl.zeros([BINS], dtype=tl.int32)
+        for s in range(0, pairs, CHUNK):
+            o = s + tl.arange(0, CHUNK)
+            v = tl.load(ids + o, mask=o < pairs, other=BINS - 1)
+            counts += tl.histogram(v, BINS)
+        bins = tl.arange(0, BINS)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        start = tl.sum(tl.where(bins < me, padded, 0), axis=0)
+        mine = tl.sum(tl.where(bins == me, counts, 0), axis=0)
+        size = tl.sum(tl.where(bins == me, padded, 0), axis=0)
+        placed = 0
+        for s in range(0, pairs, CHUNK):
+            o = s + tl.arange(0, CHUNK)
+            v = tl.load(ids + o, mask=o < pairs, other=-1)
+            hit = v == me
+            pos = start + placed + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(sorted_pairs + pos, o, mask=hit)
+            placed += tl.sum(hit.to(tl.int32), axis=0)
+        for s in range(mine, size, CHUNK):
+            o = s + tl.arange(0, CHUNK)
+            tl.store(sorted_pairs + start + o, pairs, mask=o < size)
+        for b in range(start // BLOCK_M, (start + size) // BLOCK_M):
+            tl.store(block_expert + b, me)
+
+    @triton.jit
+    def grouped_gate_up_kernel(
+        x,
+        w13,
+        sorted_pairs,
+        block_expert,
+        act,
+        pairs,
+        hidden,
+        inter,
+        stride_x,
+        stride_we,
+        stride_wn,
+        stride_a,
+        TOP_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        rows = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = rows < pairs
+        tokens = tl.where(valid, rows // TOP_K, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = n < inter
+        k = tl.arange(0, BLOCK_K)
+        a_ptr = x + tokens[:, None] * stride_x + k[None, :]
+        g_ptr = w13 + e * stride_we + n[None, :] * stride_wn + k[:, None]
+        u_ptr = g_ptr + inter * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            km = k0 + k < hidden
+            a = tl.load(a_ptr, mask=valid[:, None] & km[None, :], other=0.0)
+            bm = km[:, None] & live[None, :]
+            g = tl.load(g_ptr, mask=bm, other=0.0)
+            u = tl.load(u_ptr, mask=bm, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, g, acc_g)
+                acc_u = tl.dot(a, u, acc_u)
+            a_ptr += BLOCK_K
+            g_ptr += BLOCK_K
+            u_ptr += BLOCK_K
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        dst = act + rows.to(tl.int64)[:, None] * stride_a + n[None, :]
+        tl.store(dst, h.to(act.dtype.element_ty), mask=valid[:, None] & live[None, :])
+
+    @triton.jit
+    def grouped_down_kernel(
+        act,
+        w2,
+        sorted_pairs,
+        block_expert,
+        weights,
+        out,
+        pairs,
+        hidden,
+        inter,
+        stride_a,
+        stride_we,
+        stride_wn,
+        stride_o,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        rows = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = rows < pairs
+        safe = tl.where(valid, rows, 0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = n < hidden
+        k = tl.arange(0, BLOCK_K)
+        a_ptr = act + safe[:, None] * stride_a + k[None, :]
+        b_ptr = w2 + e * stride_we + n[None, :] * stride_wn + k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            km = k0 + k < inter
+            a = tl.load(a_ptr, mask=valid[:, None] & km[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=km[:, None] & live[None, :], other=0.0)
+            if IEEE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptr += BLOCK_K
+            b_ptr += BLOCK_K
+        acc *= tl.load(weights + safe, mask=valid, other=0.0)[:, None]
+        dst = out + safe[:, None] * stride_o + n[None, :]
+        tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & live[None, :])
+
+    return {
+        "route": route_kernel,
+        "gemv_gate_up": gemv_gate_up_kernel,
+        "gemv_down": gemv_down_kernel,
+        "align": align_kernel,
+        "grouped_gate_up": grouped_gate_up_kernel,
+        "grouped_down": grouped_down_kernel,
+    }
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``engine.layers.moe.route``, in one kernel."""
+    n, experts = logits.shape
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
+    if n == 0:
+        return weights, ids
+    block_e = _pow2(experts)
+    block_t = max(1, min(16, 4096 // block_e))
+    _kernels()["route"][((n + block_t - 1) // block_t,)](
+        logits,
+        weights,
+        ids,
+        n,
+        experts,
+        logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+    )
+    return weights, ids
+
+
+class Alignment(NamedTuple):
+    sorted_pairs: torch.Tensor
+    """Pair indices (``token * top_k + j``) grouped by expert, each segment
+    padded to a multiple of the row block with ``pairs`` (no pair)."""
+    block_expert: torch.Tensor
+    """The expert of each row block; -1 past the last segment."""
+
+
+def align(ids: torch.Tensor, experts: int, block_m: int, chunk: int = 256) -> Alignment:
+    """Group the pairs of ``ids`` ``[n, top_k]`` by expert (see ``Alignment``).
+    Sizes depend on the shape of ``ids`` only."""
+    pairs = ids.numel()
+    capacity = pairs + experts * (block_m - 1)
+    blocks = (capacity + block_m - 1) // block_m
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=ids.device)
+    _kernels()["align"][(experts,)](
+        ids,
+        sorted_pairs,
+        block_expert,
+        pairs,
+        BLOCK_M=block_m,
+        BINS=_pow2(experts + 1),
+        CHUNK=chunk,
+    )
+    return Alignment(sorted_pairs, block_expert)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    small_pairs: int = SMALL_PAIRS,
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:
+    """As ``engine.layers.moe.experts_reference``: ``x`` ``[n, hidden]``,
+    ``w13`` ``[experts, 2 * inter, hidden]``, ``w2`` ``[experts, hidden, inter]``,
+    ``weights``/``ids`` ``[n, top_k]`` from ``route``."""
+    n, hidden = x.shape
+    experts, _, inter = w2.shape
+    top_k = ids.shape[1]
+    pairs = n * top_k
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if n == 0:
+        return out
+    k = _kernels()
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    if pairs <= small_pairs:
+        k["gemv_gate_up"][(pairs, triton_cdiv(inter, 8))](
+            x,
+            w13,
+            ids,
+            act,
+            hidden,
+            inter,
+            x.stride(0),
+            w13.stride(0),
+            w13.stride(1),
+            act.stride(0),
+            TOP_K=top_k,
+            BLOCK_N=8,
+            BLOCK_K=256,
+            num_warps=4,
+        )
+        k["gemv_down"][(n, triton_cdiv(hidden, 8))](
+            act,
+            w2,
+            ids,
+            weights,
+            out,
+            hidden,
+            inter,
+            act.stride(0),
+            w2.stride(0),
+            w2.stride(1),
+            out.stride(0),
+            TOP_K=top_k,
+            BLOCK_N=8,
+            BLOCK_K=256,
+            num_warps=4,
+        )
+        return out
+    t = tiles or gemm_tiles(pairs, experts)
+    sorted_pairs, block_expert = align(ids, experts, t.block_m)
+    blocks = block_expert.numel()
+    k["grouped_gate_up"][(blocks, triton_cdiv(inter, t.block_n))](
+        x,
+        w13,
+        sorted_pairs,
+        block_expert,
+        act,
+        pairs,
+        hidden,
+        inter,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        IEEE=x.dtype == torch.float32,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    k["grouped_down"][(blocks, triton_cdiv(hidden, t.block_n))](
+        act,
+        w2,
+        sorted_pairs,
+        block_expert,
+        weights,
+        per_pair,
+        pairs,
+        hidden,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        per_pair.stride(0),
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        IEEE=x.dtype == torch.float32,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    return torch.sum(per_pair.view(n, top_k, hidden), dim=1, out=out)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
