@@ -60,6 +60,14 @@ from protocol.sampling import SamplingParams
 TOOL = "benchmarks.profile"
 CUDA = torch.autograd.DeviceType.CUDA
 CATEGORIES = {
+    "moe": (
+        "route_kernel",
+        "align_kernel",
+        "grouped_gate_up",
+        "grouped_down",
+        "gemv_gate_up",
+        "gemv_down",
+    ),
     "gemm": ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk"),
     "attention": ("batchdecode", "batchprefill", "attention", "mergestate", "variablelength"),
     "norm/rope/act/kv": ("norm", "rope", "rotary", "silu", "act_and_mul", "append", "paged_kv"),

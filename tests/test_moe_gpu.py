@@ -52,8 +52,14 @@ def _case(n: int, experts: int, top_k: int, hidden: int, inter: int, seed: int):
 def test_route_matches_torch() -> None:
     from engine.layers import moe_triton
 
-    for experts, top_k, renorm in ((128, 8, True), (60, 4, False), (8, 2, True)):
-        logits = torch.randn(300, experts, device="cuda").to(torch.bfloat16)
+    # 5 tokens: one-token programs; 300: blocks of tokens.
+    for n, experts, top_k, renorm in (
+        (300, 128, 8, True),
+        (5, 128, 8, True),
+        (300, 60, 4, False),
+        (5, 8, 2, True),
+    ):
+        logits = torch.randn(n, experts, device="cuda").to(torch.bfloat16)
         w, ids = moe_triton.route(logits, top_k, renorm)
         rw, rids = moe.route(logits, top_k, renorm)
         # Same experts (order within a row may differ only on exact ties).

@@ -32,8 +32,33 @@ HBM_BYTES_PER_S = 4.8e12
 BF16_FLOPS = 989e12
 """H100/H200 SXM dense bf16 tensor-core rate as specified."""
 L2_BYTES = 60e6
-SWEEP_TILES = ((64, 128, 4, 4), (64, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3))
+SWEEP_TILES = (
+    (64, 128, 4, 4),
+    (64, 64, 4, 3),
+    (128, 64, 4, 4),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (128, 128, 4, 4),
+    (256, 64, 8, 3),
+)
 """(block_n, block_k, warps, stages) tried at every row block by ``--sweep``."""
+SWEEP_GEMV = (
+    moe_triton.GEMV_TILES,
+    moe_triton.GemvTiles(1, 2048, 8, 1, 1024, 4),
+    moe_triton.GemvTiles(2, 1024, 4, 1, 1024, 8),
+    moe_triton.GemvTiles(2, 2048, 8, 2, 1024, 4),
+    moe_triton.GemvTiles(4, 512, 4, 4, 256, 4),
+    moe_triton.GemvTiles(4, 1024, 8, 2, 512, 4),
+    moe_triton.GemvTiles(1, 1024, 2, 1, 256, 2),
+    moe_triton.GemvTiles(8, 256, 4, 8, 256, 4),
+)
+"""Matrix-vector tiles tried by ``--sweep`` where the pairs are few."""
+SWEEP_ROUTE = (
+    moe_triton.RouteTiles(1, 1),
+    moe_triton.RouteTiles(2, 1),
+    moe_triton.RouteTiles(4, 2),
+    moe_triton.RouteTiles(16, 4),
+)
 
 
 def touched_experts(ids: torch.Tensor) -> int:
@@ -46,7 +71,8 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
     dev, bf16 = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(n)
     layer_bytes = 3 * e * inter * hidden * 2
-    copies = max(1, int(3 * L2_BYTES // layer_bytes) + 1)
+    # At least two copies, so no replay finds the last one's experts in L2.
+    copies = max(2, int(3 * L2_BYTES // layer_bytes) + 1)
     w13s = [torch.randn(e, 2 * inter, hidden, device=dev, dtype=bf16) * 0.02 for _ in range(copies)]
     w2s = [torch.randn(e, hidden, inter, device=dev, dtype=bf16) * 0.02 for _ in range(copies)]
     x = torch.randn(n, hidden, device=dev, generator=gen).to(bf16)
@@ -61,17 +87,22 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
     )
     scale = ref.abs().max().item()
 
-    def time_config(small_pairs: int, tiles: moe_triton.GemmTiles | None) -> dict[str, Any]:
-        got = moe_triton.fused_experts(x, w13s[0], w2s[0], weights, ids, small_pairs, tiles)
-        err = (got.double() - ref).abs().max().item() / scale
-        calls = [
-            lambda a=a, b=b: moe_triton.fused_experts(x, a, b, weights, ids, small_pairs, tiles)
-            for a, b in zip(w13s, w2s)
-        ]
+    def time_config(
+        small_pairs: int,
+        tiles: moe_triton.GemmTiles | None,
+        gemv: moe_triton.GemvTiles = moe_triton.GEMV_TILES,
+    ) -> dict[str, Any]:
+        def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return moe_triton.fused_experts(x, a, b, weights, ids, small_pairs, tiles, gemv)
+
+        err = (run(w13s[0], w2s[0]).double() - ref).abs().max().item() / scale
+        calls = [lambda a=a, b=b: run(a, b) for a, b in zip(w13s, w2s)]
         return {"us": graph_us(calls, args.reps), "rel_err": err}
 
-    def route_call() -> None:
-        moe_triton.route(logits, k, mc.moe.norm_topk_prob)
+    def route_us(tiles: moe_triton.RouteTiles | None) -> float:
+        return graph_us(
+            [lambda: moe_triton.route(logits, k, mc.moe.norm_topk_prob, tiles)], args.reps
+        )
 
     row: dict[str, Any] = {
         "tokens": n,
@@ -79,14 +110,15 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
         "bytes_read": bytes_read,
         "flops": flops,
         "floor_us": floor_us,
-        "route_us": graph_us([route_call], args.reps),
+        "route_us": route_us(None),
         "default": time_config(moe_triton.SMALL_PAIRS, None),
     }
     row["default"]["of_floor"] = floor_us / row["default"]["us"]
     if args.sweep:
         sweep = []
         if n * k <= 256:
-            sweep.append({"path": "gemv", **time_config(n * k, None)})
+            for g in SWEEP_GEMV:
+                sweep.append({"path": "gemv", "gemv": g._asdict(), **time_config(n * k, None, g)})
         for bm in (16, 32, 64, 128):
             for bn, bk, warps, stages in SWEEP_TILES:
                 t = moe_triton.GemmTiles(bm, bn, bk, warps, stages)
@@ -98,6 +130,7 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
         ok = [s for s in sweep if "us" in s]
         row["sweep"] = sweep
         row["sweep_best"] = min(ok, key=lambda s: s["us"])
+        row["route_sweep"] = [{**t._asdict(), "us": route_us(t)} for t in SWEEP_ROUTE]
     return row
 
 
@@ -133,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['tokens']:>7} {r['experts_touched']:>8} {r['route_us']:>9.1f} {d['us']:>11.1f} "
             f"{r['floor_us']:>9.1f} {d['of_floor']:>9.2f} {d['rel_err']:>8.1e}"
             + (
-                f"  best {r['sweep_best']['us']:.1f} us {r['sweep_best'].get('tiles', 'gemv')}"
+                f"  best {r['sweep_best']['us']:.1f} us "
+                f"{r['sweep_best'].get('tiles') or r['sweep_best'].get('gemv')}"
+                f"  route {[round(t['us'], 1) for t in r['route_sweep']]}"
                 if "sweep_best" in r
                 else ""
             )

@@ -8,7 +8,8 @@ rounds of arg-max, optional renormalization).
 Experts, two paths chosen by the number of (token, expert) pairs:
 
 - **Few pairs** (decode at small batch): one program per pair and block of
-  output rows reads only that pair's expert, as a matrix-vector product.
+  output rows reads only that pair's expert, as a matrix-vector product
+  (a 2-D float32 accumulator over the k tiles, reduced once).
   ``gate_up`` computes the gate and up rows of a block together and stores
   ``silu(gate) * up``; ``down`` gives each token its ``top_k`` experts'
   products weighted by the router and summed, so no pair-sized output exists.
@@ -40,6 +41,23 @@ SMALL_PAIRS = 32
 """Up to this many (token, expert) pairs take the matrix-vector path."""
 
 
+class GemvTiles(NamedTuple):
+    """Tiles of the matrix-vector path: ``gate_up`` and ``down``'s rows per
+    program, k per tile and warps."""
+
+    up_n: int
+    up_k: int
+    up_warps: int
+    down_n: int
+    down_k: int
+    down_warps: int
+
+
+GEMV_TILES = GemvTiles(1, 1024, 2, 1, 256, 2)
+"""Measured on an H200 at Qwen3-30B-A3B's shapes (``bench_moe --sweep``): one
+row per program, two warps, for 1 to 4 tokens alike."""
+
+
 class GemmTiles(NamedTuple):
     block_m: int
     block_n: int
@@ -50,14 +68,16 @@ class GemmTiles(NamedTuple):
 
 def gemm_tiles(pairs: int, experts: int) -> GemmTiles:
     """Row block by the average segment (the fewer pairs per expert, the less
-    padding a small block wastes), the rest from it."""
+    padding a small block wastes), the rest from it: the best of
+    ``bench_moe --sweep`` on an H200 at Qwen3-30B-A3B's shapes, 8 to 8192
+    tokens."""
     per_expert = pairs / experts
-    if per_expert <= 16:
+    if per_expert <= 8:
         return GemmTiles(16, 64, 128, 4, 4)
-    if per_expert <= 32:
-        return GemmTiles(32, 64, 128, 4, 4)
+    if per_expert <= 24:
+        return GemmTiles(32, 128, 128, 8, 3)
     if per_expert <= 96:
-        return GemmTiles(64, 128, 64, 4, 4)
+        return GemmTiles(64, 64, 64, 4, 3)
     return GemmTiles(128, 128, 64, 8, 3)
 
 
@@ -75,31 +95,36 @@ def _kernels() -> dict[str, Any]:
         experts,
         stride_l,
         TOP_K: tl.constexpr,
+        K_POW2: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr,
     ):
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         e = tl.arange(0, BLOCK_E)
+        kk = tl.arange(0, K_POW2)
         live = t < n
         mask = live[:, None] & (e[None, :] < experts)
         x = tl.load(logits + t[:, None] * stride_l + e[None, :], mask=mask, other=-float("inf"))
         x = x.to(tl.float32)
         x = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = x / tl.sum(x, axis=1)[:, None]
-        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        # The k largest, kept in registers and stored once.
+        vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
+        args = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
         for j in tl.static_range(TOP_K):
             best = tl.max(p, axis=1)
             # The lowest index among equal maxima, as torch.topk on CPU.
             arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), axis=1)
-            tl.store(weights + t * TOP_K + j, best, mask=live)
-            tl.store(ids + t * TOP_K + j, arg.to(tl.int32), mask=live)
-            total += best
+            vals = tl.where(kk[None, :] == j, best[:, None], vals)
+            args = tl.where(kk[None, :] == j, arg[:, None], args)
             p = tl.where(e[None, :] == arg[:, None], -1.0, p)
         if RENORMALIZE:
-            for j in tl.static_range(TOP_K):
-                w = tl.load(weights + t * TOP_K + j, mask=live, other=1.0)
-                tl.store(weights + t * TOP_K + j, w / total, mask=live)
+            vals = vals / tl.sum(vals, axis=1)[:, None]
+        out = t[:, None] * TOP_K + kk[None, :]
+        keep = live[:, None] & (kk[None, :] < TOP_K)
+        tl.store(weights + out, vals, mask=keep)
+        tl.store(ids + out, args, mask=keep)
 
     @triton.jit
     def gemv_gate_up_kernel(
@@ -117,6 +142,8 @@ def _kernels() -> dict[str, Any]:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        # Program (pair, row block): the gate and up rows of the block, summed
+        # over k in a 2-D accumulator reduced once (no reduction per tile).
         pair = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         e = tl.load(ids + pair).to(tl.int64)
@@ -124,16 +151,17 @@ def _kernels() -> dict[str, Any]:
         gate = w13 + e * stride_we + n[:, None] * stride_wn
         up = gate + inter * stride_wn
         live = n < inter
-        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < hidden
             a = tl.load(row + k, mask=km, other=0.0).to(tl.float32)
             m = live[:, None] & km[None, :]
-            acc_g += tl.sum(tl.load(gate + k[None, :], mask=m, other=0.0) * a[None, :], axis=1)
-            acc_u += tl.sum(tl.load(up + k[None, :], mask=m, other=0.0) * a[None, :], axis=1)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            acc_g += tl.load(gate + k[None, :], mask=m, other=0.0).to(tl.float32) * a[None, :]
+            acc_u += tl.load(up + k[None, :], mask=m, other=0.0).to(tl.float32) * a[None, :]
+        g = tl.sum(acc_g, axis=1)
+        h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1)
         tl.store(act + pair * stride_a + n, h.to(act.dtype.element_ty), mask=live)
 
     @triton.jit
@@ -153,24 +181,25 @@ def _kernels() -> dict[str, Any]:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        # Program (token, row block): the token's top_k experts' rows, each
+        # weighted by the router, in one 2-D accumulator (the experts' loads are
+        # independent, so they are in flight together).
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = n < hidden
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             pair = t * TOP_K + j
             e = tl.load(ids + pair).to(tl.int64)
             w = tl.load(weights + pair)
             base = w2 + e * stride_we + n[:, None] * stride_wn
-            part = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, inter, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 km = k < inter
                 a = tl.load(act + pair * stride_a + k, mask=km, other=0.0).to(tl.float32)
                 b = tl.load(base + k[None, :], mask=live[:, None] & km[None, :], other=0.0)
-                part += tl.sum(b * a[None, :], axis=1)
-            acc += w * part
-        tl.store(out + t * stride_o + n, acc.to(out.dtype.element_ty), mask=live)
+                acc += b.to(tl.float32) * (w * a)[None, :]
+        tl.store(out + t * stride_o + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=live)
 
     @triton.jit
     def align_kernel(
@@ -326,16 +355,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+class RouteTiles(NamedTuple):
+    block_t: int
+    warps: int
+
+
+def route_tiles(n: int) -> RouteTiles:
+    """One token per one-warp program for decode-sized batches (the top-k
+    reductions stay within a warp), blocks of tokens for larger ones."""
+    return RouteTiles(1, 1) if n <= 256 else RouteTiles(16, 4)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, tiles: RouteTiles | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``engine.layers.moe.route``, in one kernel."""
     n, experts = logits.shape
     weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
     if n == 0:
         return weights, ids
-    block_e = _pow2(experts)
-    block_t = max(1, min(16, 4096 // block_e))
-    _kernels()["route"][((n + block_t - 1) // block_t,)](
+    t = tiles or route_tiles(n)
+    _kernels()["route"][(triton_cdiv(n, t.block_t),)](
         logits,
         weights,
         ids,
@@ -343,9 +384,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
         experts,
         logits.stride(0),
         TOP_K=top_k,
+        K_POW2=_pow2(top_k),
         RENORMALIZE=renormalize,
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
+        BLOCK_T=t.block_t,
+        BLOCK_E=_pow2(experts),
+        num_warps=t.warps,
     )
     return weights, ids
 
@@ -386,6 +429,7 @@ def fused_experts(
     ids: torch.Tensor,
     small_pairs: int = SMALL_PAIRS,
     tiles: GemmTiles | None = None,
+    gemv: GemvTiles = GEMV_TILES,
 ) -> torch.Tensor:
     """As ``engine.layers.moe.experts_reference``: ``x`` ``[n, hidden]``,
     ``w13`` ``[experts, 2 * inter, hidden]``, ``w2`` ``[experts, hidden, inter]``,
@@ -401,7 +445,9 @@ def fused_experts(
     k = _kernels()
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     if pairs <= small_pairs:
-        k["gemv_gate_up"][(pairs, triton_cdiv(inter, 8))](
+        g = gemv
+        up_k, down_k = min(g.up_k, _pow2(hidden)), min(g.down_k, _pow2(inter))
+        k["gemv_gate_up"][(pairs, triton_cdiv(inter, g.up_n))](
             x,
             w13,
             ids,
@@ -413,11 +459,11 @@ def fused_experts(
             w13.stride(1),
             act.stride(0),
             TOP_K=top_k,
-            BLOCK_N=8,
-            BLOCK_K=256,
-            num_warps=4,
+            BLOCK_N=g.up_n,
+            BLOCK_K=up_k,
+            num_warps=g.up_warps,
         )
-        k["gemv_down"][(n, triton_cdiv(hidden, 8))](
+        k["gemv_down"][(n, triton_cdiv(hidden, g.down_n))](
             act,
             w2,
             ids,
@@ -430,9 +476,9 @@ def fused_experts(
             w2.stride(1),
             out.stride(0),
             TOP_K=top_k,
-            BLOCK_N=8,
-            BLOCK_K=256,
-            num_warps=4,
+            BLOCK_N=g.down_n,
+            BLOCK_K=down_k,
+            num_warps=g.down_warps,
         )
         return out
     t = tiles or gemm_tiles(pairs, experts)
