@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.kvcache.pool import KVPool, KVPoolConfig
+from engine.layers import moe
 from engine.layers.kernels import layer_kernels
 from engine.memory import MemoryPlan, peak_bytes
 from engine.model_config import ModelConfig
@@ -131,6 +132,10 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             self.model.load_weights(iter_safetensors(config.model))
+        if self.device.type == "cuda":
+            # Compiled now rather than under the first requests of a new shape.
+            with torch.inference_mode():
+                moe.warm_up(self.model, config.token_budget)
         self.num_heads, self.num_kv_heads = local_heads(model_config, tp)
         self.pool_sizing: dict[str, object] = {"sized_by": config.pool_sized_by}
         """How the KV pool was sized (for /server_info and the start-up log)."""

@@ -119,3 +119,17 @@ def test_experts_match_reference(
     ref = experts_reference(x.double(), w13.double(), w2.double(), weights.double(), ids)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.double(), ref, atol=tol, rtol=tol)
+
+
+@interpreted
+@pytest.mark.parametrize(("experts", "top_k"), [(8, 2), (16, 1)])
+def test_warm_up_runs_every_kernel_choice(experts: int, top_k: int) -> None:
+    from engine.layers import moe_triton
+
+    max_tokens = 300  # past the router's and every GEMM tile threshold at 8 experts
+    choices = {moe_triton.kernel_choice(n, experts, top_k) for n in range(1, max_tokens + 1)}
+    assert len(choices) >= 4
+    _, w13, w2, _ = _case(1, experts, top_k, 48, 40, torch.float16, seed=1)
+    ran = moe_triton.warm_up(w13, w2, top_k, True, max_tokens)
+    assert {moe_triton.kernel_choice(n, experts, top_k) for n in ran} == choices
+    assert len(ran) == len(choices)

@@ -139,6 +139,15 @@ class SparseMoE(nn.Module):
             return moe_triton.route(logits, self.moe.top_k, self.moe.norm_topk_prob)
         return route(logits, self.moe.top_k, self.moe.norm_topk_prob)
 
+    def warm_up(self, max_tokens: int) -> None:
+        """Compile the fused kernels for every shape class of up to
+        ``max_tokens`` tokens (CUDA; nothing elsewhere)."""
+        if use_fused(self.gate.weight):
+            from engine.layers import moe_triton
+
+            w13, w2 = self.experts.w13, self.experts.w2
+            moe_triton.warm_up(w13, w2, self.moe.top_k, self.moe.norm_topk_prob, max_tokens)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         out = self.experts(x, weights, ids)
@@ -188,3 +197,11 @@ def expert_target(name: str) -> tuple[str, tuple[str, int]] | None:
         return None
     kind = _KIND[m[3]]
     return f"{m[1]}.{'w2' if kind == DOWN else 'w13'}", (kind, int(m[2]))
+
+
+def warm_up(model: nn.Module, max_tokens: int) -> None:
+    """``SparseMoE.warm_up`` on the model's first sparse layer (every sparse
+    layer has the same shapes), if it has one."""
+    layer = next((m for m in model.modules() if isinstance(m, SparseMoE)), None)
+    if layer is not None:
+        layer.warm_up(max_tokens)

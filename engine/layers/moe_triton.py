@@ -83,10 +83,14 @@ def gemm_tiles(pairs: int, experts: int) -> GemmTiles:
 
 @cache
 def _kernels() -> dict[str, Any]:
+    # Triton compiles a kernel again for each new "specialization" of its
+    # integer arguments (equal to 1, divisible by 16); the token and pair
+    # counts are left unspecialized, so each kernel compiles once per tile
+    # choice, and ``warm_up`` compiles every choice before serving.
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def route_kernel(
         logits,
         weights,
@@ -201,7 +205,7 @@ def _kernels() -> dict[str, Any]:
                 acc += b.to(tl.float32) * (w * a)[None, :]
         tl.store(out + t * stride_o + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=live)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["pairs"])
     def align_kernel(
         ids,
         sorted_pairs,
@@ -240,7 +244,7 @@ def _kernels() -> dict[str, Any]:
         for b in range(start // BLOCK_M, (start + size) // BLOCK_M):
             tl.store(block_expert + b, me)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["pairs"])
     def grouped_gate_up_kernel(
         x,
         w13,
@@ -294,7 +298,7 @@ def _kernels() -> dict[str, Any]:
         dst = act + rows.to(tl.int64)[:, None] * stride_a + n[None, :]
         tl.store(dst, h.to(act.dtype.element_ty), mask=valid[:, None] & live[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["pairs"])
     def grouped_down_kernel(
         act,
         w2,
@@ -528,6 +532,34 @@ def fused_experts(
         num_stages=t.stages,
     )
     return torch.sum(per_pair.view(n, top_k, hidden), dim=1, out=out)
+
+
+def kernel_choice(n: int, experts: int, top_k: int) -> tuple[Any, ...]:
+    """What decides which compiled kernels ``n`` tokens run: the router's
+    tiles, and the experts' path and tiles."""
+    pairs = n * top_k
+    return route_tiles(n), None if pairs <= SMALL_PAIRS else gemm_tiles(pairs, experts)
+
+
+def warm_up(
+    w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, max_tokens: int
+) -> list[int]:
+    """Compile every kernel variant a forward of up to ``max_tokens`` tokens
+    can pick at these weights' shapes, so no request waits for Triton's
+    compiler while serving; returns the token counts run (the smallest of
+    each choice)."""
+    experts, hidden, _ = w2.shape
+    seen, ran = set(), []
+    for n in range(1, max_tokens + 1):
+        key = kernel_choice(n, experts, top_k)
+        if key not in seen:
+            seen.add(key)
+            ran.append(n)
+            logits = torch.zeros(n, experts, dtype=w2.dtype, device=w2.device)
+            weights, ids = route(logits, top_k, renormalize)
+            x = torch.zeros(n, hidden, dtype=w2.dtype, device=w2.device)
+            fused_experts(x, w13, w2, weights, ids)
+    return ran
 
 
 def triton_cdiv(a: int, b: int) -> int:
