@@ -82,10 +82,11 @@ class DecodeGraphs:
         self.write_pages = torch.zeros(n, dtype=torch.int64, device=device)
         self.write_slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
-        num_pages = attn.pool.allocator.num_pages
-        # Pages a replay's page table may list: the real rows' (at most the
-        # pool) plus page 0 once per padded row.
-        self._max_pages = {s: min(s * max_pages_per_request, num_pages + s) for s in self.sizes}
+        # Pages a replay's page table may list: each row's table is at most
+        # ``max_pages_per_request`` long. The pool's size is no bound on the
+        # sum: rows may list the same pages (a shared prefix). The index buffer
+        # of one plan slot is shared by every size, so this costs little.
+        self._max_pages = {s: s * max_pages_per_request for s in self.sizes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         """Each graph's logits; only read right after its replay (they may share

@@ -209,6 +209,36 @@ def test_cuda_graph_decode_equals_eager(batch_size: int, kv_heads: int) -> None:
     assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
 
 
+def test_cuda_graph_decode_with_shared_prefix_pages_beyond_the_pool() -> None:
+    """Rows that share their prefix pages list more pages in all than the pool
+    holds (64 rows x 10 pages over an 80-page pool): the graph replays them,
+    as the eager forward runs them."""
+    runner = _kernel_runner("flashinfer", graph_bs=64, num_pages=80)
+    assert runner.graphs is not None and 64 in runner.graphs.sizes
+    runner.pool.kv.normal_()
+    ps, gen = 16, torch.Generator().manual_seed(5)
+    shared = runner.pool.allocator.alloc(9)
+    assert shared is not None
+    specs = []
+    for i in range(64):
+        own = runner.pool.allocator.alloc(1)  # the page the row's new token goes to
+        assert own is not None
+        ctx = 9 * ps + i % ps
+        token = int(torch.randint(3, 1000, (1,), generator=gen))
+        specs.append(ExtendSpec([token], ctx, shared + own))
+    batch = build_forward_batch(specs, ps, "cuda:0")
+    assert sum(len(t) for t in batch.page_tables) > runner.pool.allocator.num_pages + 64
+    assert runner.graphs.can_run(batch)
+    with torch.inference_mode():
+        graph_logits = runner.forward_logits(batch).clone()
+        runner.attn.begin_forward(batch)
+        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
+        eager_logits = runner.model.compute_logits(hidden[batch.logits_indices])
+    scale = eager_logits.abs().max().item()
+    assert (graph_logits - eager_logits).abs().max().item() < 0.01 * scale
+    assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_short_prefill_replays_as_decode_rows(kv_heads: int) -> None:
     """Short prompts, a short chunk after a cached prefix and a decoding row in

@@ -73,6 +73,9 @@ class _PlanSlot:
         self.graph_decode: dict[int, tuple[Any, _AppendIndex]] = {}
         """Batch size -> decode wrapper with fixed buffers (CUDA-graph replay) and
         the append index over the same buffers."""
+        self.graph_indices: torch.Tensor | None = None
+        """The page-index buffer every size's graph wrapper takes a prefix of:
+        one forward at a time is planned into a slot, whatever its size."""
         self.consumed: torch.cuda.Event | None = None
 
     def graph_wrapper(self, batch_size: int, max_pages: int) -> tuple[Any, _AppendIndex]:
@@ -89,7 +92,7 @@ class _PlanSlot:
                 batch_indices=torch.arange(batch_size, dtype=torch.int32, device=device),
                 positions=buf(batch_size),
                 indptr=buf(batch_size + 1),
-                indices=buf(max_pages),
+                indices=self._indices(max_pages),
                 last_page_len=buf(batch_size),
             )
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -103,6 +106,11 @@ class _PlanSlot:
             )
             entry = self.graph_decode[batch_size] = (wrapper, index)
         return entry
+
+    def _indices(self, n: int) -> torch.Tensor:
+        if self.graph_indices is None or self.graph_indices.numel() < n:
+            self.graph_indices = torch.zeros(n, dtype=torch.int32, device=self.workspace.device)
+        return self.graph_indices[:n]
 
     def wait_reusable(self) -> None:
         if self.consumed is not None:
