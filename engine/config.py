@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.attention import ATTENTION_BACKENDS
+from engine.quantization import QUANTIZATIONS
 from protocol.settings import setting
 
 if TYPE_CHECKING:
@@ -54,6 +55,14 @@ class EngineConfig:
         help="auto: weights from the checkpoint; dummy: random weights (default: %(default)s)",
         group=MODEL_GROUP,
         choices=LOAD_FORMATS,
+    )
+    quantization: str | None = setting(
+        None,
+        help="fp8: the attention and MLP weights in e4m3 with a scale per output channel, "
+        "quantized at load from a bf16 checkpoint (an FP8 checkpoint is read as FP8 "
+        "without it); activations scaled per token (default: as the checkpoint is)",
+        group=MODEL_GROUP,
+        choices=QUANTIZATIONS,
     )
     device: str = setting(
         "auto",
@@ -165,6 +174,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; choose from {', '.join(QUANTIZATIONS)}"
+            )
         if self.attention_backend not in ATTENTION_CHOICES:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.presets import PRESETS
+from engine.quantization import QUANTIZATIONS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -91,9 +92,31 @@ class ModelConfig:
     bos_token_id: int | None = None
     moe: MoEConfig | None = None
     """None for a dense model."""
+    quantization: str | None = None
+    """``"fp8"``: the attention and MLP projections hold e4m3 weights with a
+    scale per output row (``engine.layers.fp8``), from an FP8 checkpoint or
+    quantized at load (``EngineConfig.quantization``); None: the model's dtype."""
 
     def sparse_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse(layer)
+
+    @property
+    def fp8(self) -> bool:
+        return self.quantization == "fp8"
+
+    def with_quantization(self, quantization: str | None) -> ModelConfig:
+        """This config with the engine's ``--quantization`` applied (None: as
+        the checkpoint is)."""
+        q = quantization or self.quantization
+        if q not in (None, *QUANTIZATIONS):
+            raise ModelConfigError(
+                f"unknown quantization {q!r}; choose from {', '.join(QUANTIZATIONS)}"
+            )
+        if q is not None and self.moe is not None:
+            raise ModelConfigError(
+                f"quantization {q!r} is not supported for mixture-of-experts models yet"
+            )
+        return self if q == self.quantization else replace(self, quantization=q)
 
     @property
     def q_size(self) -> int:
@@ -154,6 +177,7 @@ class ModelConfig:
             cfg.get("attention_bias", False)
         )
         moe = _moe_config(arch, cfg)
+        quantization = _quantization(cfg.get("quantization_config"))
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -174,7 +198,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             moe=moe,
-        )
+            quantization=quantization,
+        ).with_quantization(None)
 
     @classmethod
     def load(cls, model: str | os.PathLike | None, dtype: torch.dtype | None = None) -> ModelConfig:
@@ -206,6 +231,41 @@ class ModelConfig:
             except json.JSONDecodeError:
                 pass
         return cls.from_dict(cfg, dtype)
+
+
+def _quantization(qc: dict[str, Any] | None) -> str | None:
+    """``"fp8"`` for the FP8 checkpoint formats ``engine.layers.fp8`` reads
+    (e4m3 weights scaled per output channel or per tensor), None for none;
+    any other quantization is refused by name."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ModelConfigError(
+                "block-wise FP8 checkpoints (weight_block_size) are not supported; "
+                "FP8 with per-channel or per-tensor weight scales is"
+            )
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        fp8 = [
+            w.get("type") == "float"
+            and w.get("num_bits") == 8
+            and w.get("strategy") in ("channel", "tensor")
+            for w in weights
+        ]
+        if groups and all(fp8):
+            return "fp8"
+        raise ModelConfigError(
+            "unsupported compressed-tensors checkpoint: only 8-bit float weights "
+            "scaled per channel or per tensor are read"
+        )
+    raise ModelConfigError(
+        f"unsupported quantization_config quant_method {method!r}; supported: fp8, "
+        "compressed-tensors (FP8 weights)"
+    )
 
 
 def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:

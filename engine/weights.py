@@ -54,6 +54,12 @@ def load_named_weights(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src.to(dst.dtype))
 
 
+DUMMY_STD = 0.02
+FP8_DUMMY_STD = 32.0
+"""Random e4m3 weights well inside the format's range (448) and above its
+subnormals, scaled back to ``DUMMY_STD`` by their ``weight_scale``."""
+
+
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights at a scale that keeps activations finite in any dtype."""
     gens: dict[torch.device, torch.Generator] = {}
@@ -63,7 +69,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
+            elif name.endswith(".weight_scale"):
+                p.fill_(DUMMY_STD / FP8_DUMMY_STD)  # FP8 rows: the same spread as others
             else:
+                std = FP8_DUMMY_STD if p.dtype == torch.float8_e4m3fn else DUMMY_STD
                 gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
                 # Chunked so a huge embedding needs no float32 copy of itself.
                 flat = p.data.view(-1)
@@ -71,4 +80,4 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 for i in range(0, flat.numel(), step):
                     n = min(step, flat.numel() - i)
                     r = torch.randn(n, generator=gen, device=p.device, dtype=torch.float32)
-                    flat[i : i + n].copy_(r.mul_(0.02))
+                    flat[i : i + n].copy_(r.mul_(std))

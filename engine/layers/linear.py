@@ -1,4 +1,7 @@
-"""Linear layers whose weights may be loaded in named shards (fused QKV, gate/up)."""
+"""Linear layers whose weights may be loaded in named shards (fused QKV, gate/up).
+
+With ``fp8=True`` a layer holds an e4m3 weight and a float32 ``weight_scale``
+per output row (``engine.layers.fp8``); otherwise ``weight_scale`` is None."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.layers import fp8 as fp8_math
 from engine.layers.gemv import linear, silu_mul_linear
 
 
@@ -17,12 +21,17 @@ class MergedLinear(nn.Module):
     size, in stacking order.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+    def __init__(
+        self, in_features: int, shards: dict[str, int], bias: bool, fp8: bool = False
+    ) -> None:
         super().__init__()
         self.shards = dict(shards)
         out = sum(shards.values())
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.zeros(out)) if bias else None
+        self.register_parameter("weight_scale", None)
+        if fp8:
+            fp8_math.fp8_parameters(self, out, in_features)
 
     def shard_slice(self, name: str) -> slice:
         start = 0
@@ -33,18 +42,40 @@ class MergedLinear(nn.Module):
         raise KeyError(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return any_linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose one-row CUDA inputs take the GEMV kernel."""
 
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, fp8: bool = False
+    ) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_parameter("weight_scale", None)
+        if fp8:
+            fp8_math.fp8_parameters(self, out_features, in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return any_linear(x, self.weight, self.bias, self.weight_scale)
 
     def silu_mul_forward(
         self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """``self(silu_and_mul(gate_up))``, fused where the GEMV kernel applies."""
         assert self.bias is None
+        if self.weight_scale is not None:
+            return fp8_math.linear(silu_and_mul(gate_up), self.weight, self.weight_scale)
         return silu_mul_linear(gate_up, self.weight, silu_and_mul)
+
+
+def any_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """``linear``, or the FP8 product where the weight has a scale."""
+    if weight_scale is not None:
+        return fp8_math.linear(x, weight, weight_scale, bias)
+    return linear(x, weight, bias)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.layers import moe
+from engine.layers import fp8, moe
 from engine.layers.gemv import linear
 from engine.layers.kernels import LayerKernels, RotaryInput
 from engine.layers.moe import SparseMoE
@@ -189,8 +189,8 @@ class LlamaForCausalLM(nn.Module):
             weights = moe.checkpoint_tensors(weights)
 
         def targets(name: str) -> tuple[str, Any] | None:
-            if "rotary_emb.inv_freq" in name:
-                return None
+            if "rotary_emb.inv_freq" in name or name.endswith(".input_scale"):
+                return None  # activations are scaled per token (engine.layers.fp8)
             if name == "lm_head.weight" and self.lm_head is None:
                 return None  # tied checkpoints may still store a copy
             expert = moe.expert_target(name)
@@ -215,8 +215,22 @@ class LlamaForCausalLM(nn.Module):
             if shard is not None:
                 dst = dst[module.shard_slice(shard)]
             select = getattr(module, "select_shard", None)
+            if leaf == "weight_scale":
+                tensor = tensor.float().reshape(-1)
+                if tensor.numel() == 1:  # one scale for the whole tensor: every row's
+                    tensor, select = tensor.expand(dst.shape[0]), None
             if select is not None:  # tensor-parallel: this rank's part of the tensor
                 tensor = select(leaf, shard, tensor)
+            if dst.dtype == fp8.E4M3 and tensor.dtype != fp8.E4M3:
+                # A full-precision checkpoint into FP8 rows: quantized here, and
+                # the rows' scales come with them.
+                scale_name = f"{owner}.weight_scale"
+                tensor, scale = fp8.quantize_rows(tensor)
+                scale_dst = params[scale_name].data
+                if shard is not None:
+                    scale_dst = scale_dst[module.shard_slice(shard)]
+                load_named_weights(name, scale_dst, scale)
+                seen[scale_name].add(shard)
             load_named_weights(name, dst, tensor)
             seen[pname].add(shard)
         missing = [n for n, shards in expected.items() if seen[n] != shards]

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.layers.gemv import linear, silu_mul_linear
-from engine.layers.linear import Linear, MergedLinear
+from engine.layers import fp8 as fp8_math
+from engine.layers.gemv import silu_mul_linear
+from engine.layers.linear import Linear, MergedLinear, any_linear
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 
@@ -31,35 +32,46 @@ from engine.parallel.group import TPGroup
 class ShardedMergedLinear(MergedLinear):
     """``MergedLinear`` holding rows ``[start, stop)`` of each named shard."""
 
-    def __init__(self, in_features: int, rows: dict[str, tuple[int, int]], bias: bool) -> None:
-        super().__init__(in_features, {n: b - a for n, (a, b) in rows.items()}, bias)
+    def __init__(
+        self, in_features: int, rows: dict[str, tuple[int, int]], bias: bool, fp8: bool = False
+    ) -> None:
+        super().__init__(in_features, {n: b - a for n, (a, b) in rows.items()}, bias, fp8)
         self.rows = dict(rows)
 
     def select_shard(self, param: str, shard: str | None, tensor: torch.Tensor) -> torch.Tensor:
         assert shard is not None
         a, b = self.rows[shard]
-        return tensor[a:b]
+        return tensor[a:b]  # rows: of the weight, the bias and the per-row scale alike
 
 
 class RowParallelLinear(nn.Module):
     """``y = x @ W.T`` over input columns ``[start, stop)``, summed over the ranks."""
 
-    def __init__(self, cols: tuple[int, int], out_features: int, tp: TPGroup) -> None:
+    def __init__(
+        self, cols: tuple[int, int], out_features: int, tp: TPGroup, fp8: bool = False
+    ) -> None:
         super().__init__()
         self.cols = cols
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, cols[1] - cols[0]))
+        self.register_parameter("weight_scale", None)
+        if fp8:
+            fp8_math.fp8_parameters(self, out_features, cols[1] - cols[0])
 
     def select_shard(self, param: str, shard: str | None, tensor: torch.Tensor) -> torch.Tensor:
+        if param == "weight_scale":  # one per output row: every rank needs all
+            return tensor
         return tensor[:, self.cols[0] : self.cols[1]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight))
+        return self.tp.all_reduce(any_linear(x, self.weight, None, self.weight_scale))
 
     def silu_mul_forward(
         self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """``self(silu_and_mul(gate_up))``, fused where the GEMV kernel applies."""
+        if self.weight_scale is not None:
+            return self(silu_and_mul(gate_up))
         return self.tp.all_reduce(silu_mul_linear(gate_up, self.weight, silu_and_mul))
 
 
@@ -100,32 +112,34 @@ def qkv_proj(cfg: ModelConfig, tp: TPGroup | None) -> MergedLinear:
             cfg.hidden_size,
             {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
             cfg.attention_bias,
+            cfg.fp8,
         )
     hd = cfg.head_dim
     q0, q1 = tp.shard.even(cfg.num_heads)
     k0, k1 = tp.shard.kv_heads(cfg.num_kv_heads)
     rows = {"q": (q0 * hd, q1 * hd), "k": (k0 * hd, k1 * hd), "v": (k0 * hd, k1 * hd)}
-    return ShardedMergedLinear(cfg.hidden_size, rows, cfg.attention_bias)
+    return ShardedMergedLinear(cfg.hidden_size, rows, cfg.attention_bias, cfg.fp8)
 
 
 def o_proj(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
     if tp is None:
-        return Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        return Linear(cfg.q_size, cfg.hidden_size, bias=False, fp8=cfg.fp8)
     q0, q1 = tp.shard.even(cfg.num_heads)
-    return RowParallelLinear((q0 * cfg.head_dim, q1 * cfg.head_dim), cfg.hidden_size, tp)
+    cols = (q0 * cfg.head_dim, q1 * cfg.head_dim)
+    return RowParallelLinear(cols, cfg.hidden_size, tp, cfg.fp8)
 
 
 def gate_up_proj(cfg: ModelConfig, tp: TPGroup | None, inter: int) -> MergedLinear:
     if tp is None:
-        return MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter}, False)
+        return MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter}, False, cfg.fp8)
     part = tp.shard.even(inter)
-    return ShardedMergedLinear(cfg.hidden_size, {"gate": part, "up": part}, False)
+    return ShardedMergedLinear(cfg.hidden_size, {"gate": part, "up": part}, False, cfg.fp8)
 
 
 def down_proj(cfg: ModelConfig, tp: TPGroup | None, inter: int) -> nn.Module:
     if tp is None:
-        return Linear(inter, cfg.hidden_size, bias=False)
-    return RowParallelLinear(tp.shard.even(inter), cfg.hidden_size, tp)
+        return Linear(inter, cfg.hidden_size, bias=False, fp8=cfg.fp8)
+    return RowParallelLinear(tp.shard.even(inter), cfg.hidden_size, tp, cfg.fp8)
 
 
 def embedding(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:

@@ -1,0 +1,255 @@
+"""FP8 weights (``engine.layers.fp8``) on the CPU: the quantization, the
+product against float64, online quantization at load against the full-precision
+model, and the checkpoint formats (per-channel and per-tensor scales) against
+the tensors they store."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.layers import fp8
+from engine.model_config import ModelConfig, ModelConfigError
+from engine.runner import ModelRunner
+
+QUANTIZED = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")  # fmt: skip
+CHANNEL_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "token",
+                "dynamic": True,
+            },  # fmt: skip
+        }
+    },
+    "ignore": ["lm_head"],
+}
+
+
+def test_rows_use_the_whole_range_and_round_to_e4m3() -> None:
+    g = torch.Generator().manual_seed(0)
+    # Rows of very different magnitudes: each gets its own scale.
+    w = torch.randn(16, 96, generator=g) * torch.logspace(-4, 2, 16)[:, None]
+    q, scale = fp8.quantize_rows(w)
+    assert q.dtype == fp8.E4M3 and scale.shape == (16,)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((16,), fp8.E4M3_MAX))
+    err = (fp8.dequantize_rows(q, scale) - w).abs()
+    # e4m3: 3 mantissa bits (half a step: 2^-4 of the value), subnormal steps of 2^-9.
+    bound = w.abs() * 2**-4 + scale[:, None] * 2**-10
+    assert (err <= bound * (1 + 1e-6)).all()
+    zeros, zscale = fp8.quantize_rows(torch.zeros(2, 8))
+    assert torch.equal(zeros.float(), torch.zeros(2, 8)) and (zscale > 0).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_product_matches_float64_of_the_quantized_operands(bias: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 256, generator=g) * torch.logspace(-2, 1, 7)[:, None]
+    w = torch.randn(48, 256, generator=g) * 0.05
+    b = torch.randn(48, generator=g) if bias else None
+    q, scale = fp8.quantize_rows(w)
+    got = fp8.linear(x, q, scale, b)
+    xq, sx = fp8.quantize_rows(x)
+    ref = fp8.dequantize_rows(xq, sx).double() @ fp8.dequantize_rows(q, scale).double().t()
+    if b is not None:
+        ref = ref + b.double()
+    assert got.dtype == x.dtype and got.shape == (7, 48)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def _runner(model_dir: str | Path, quantization: str | None = None) -> ModelRunner:
+    mc = ModelConfig.load(model_dir)
+    cfg = EngineConfig(
+        model=str(model_dir), device="cpu", page_size=4, num_pages=64, quantization=quantization
+    ).resolve(mc)
+    return ModelRunner(cfg, mc)
+
+
+def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    pages = runner.pool.allocator.alloc(-(-len(ids) // 4))
+    assert pages is not None
+    try:
+        batch = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu")
+        return runner.forward_logits(batch)
+    finally:
+        runner.pool.allocator.free(pages)
+
+
+def _prompt(n: int = 29) -> list[int]:
+    g = random.Random(3)
+    return [g.randrange(3, 300) for _ in range(n)]
+
+
+def test_online_quantization_stays_near_the_full_precision_model(hf_checkpoint) -> None:
+    path, _ = hf_checkpoint("qwen2-gqa2")  # QKV biases too
+    full, quant = _runner(path), _runner(path, "fp8")
+    assert quant.model_config.fp8 and not full.model_config.fp8
+    layer = quant.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == fp8.E4M3
+    assert layer.mlp.down_proj.weight_scale.shape == (quant.model_config.hidden_size,)
+    assert quant.model.lm_head_weight.dtype == full.model.lm_head_weight.dtype
+    ids = _prompt()
+    ref, got = _logits(full, ids), _logits(quant, ids)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    # e4m3 keeps 3 mantissa bits: each product's operands are off by up to
+    # 2^-4 (rms ~3.6%), and this random 2-layer model has 8 products in a row.
+    assert 1e-3 < rel < 0.25, rel
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+
+
+def test_the_fp8_model_is_the_full_model_on_quantized_operands(hf_checkpoint) -> None:
+    """The full-precision model given the dequantized FP8 weights and, before
+    each of those projections, per-token quantized inputs: the FP8 model."""
+    path, _ = hf_checkpoint("qwen2-gqa2")
+    full, quant = _runner(path), _runner(path, "fp8")
+
+    def quantized_input(module: torch.nn.Module, args: tuple) -> tuple:
+        xq, sx = fp8.quantize_rows(args[0])
+        return (fp8.dequantize_rows(xq, sx).to(args[0].dtype),)
+
+    pairs = zip(full.model.named_modules(), quant.model.named_modules(), strict=True)
+    projections = 0
+    for (_, mod), (_, qmod) in pairs:
+        if getattr(qmod, "weight_scale", None) is None:
+            continue
+        projections += 1
+        with torch.no_grad():
+            mod.weight.copy_(fp8.dequantize_rows(qmod.weight, qmod.weight_scale))
+        mod.register_forward_pre_hook(quantized_input)
+        if hasattr(mod, "silu_mul_forward"):  # the fused path would skip the hook
+            mod.silu_mul_forward = lambda gate_up, act, m=mod: m(act(gate_up))
+    assert projections == 4 * quant.model_config.num_layers
+    ids = _prompt()
+    ref, got = _logits(full, ids), _logits(quant, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def _quantized_checkpoint(src: Path, dst: Path, per_tensor: bool) -> dict[str, torch.Tensor]:
+    """``src`` rewritten as an FP8 checkpoint: the projections in e4m3 with
+    ``weight_scale`` per channel ``[N, 1]`` (or one per tensor, with a static
+    ``input_scale`` beside it), the rest as it was. Returns the stored tensors."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and any(f in name for f in QUANTIZED):
+            base = name[: -len(".weight")]
+            if per_tensor:
+                scale = (t.float().abs().amax() / fp8.E4M3_MAX).reshape(())
+                out[name] = (t.float() / scale).clamp(-448, 448).to(fp8.E4M3)
+                out[f"{base}.weight_scale"] = scale
+                out[f"{base}.input_scale"] = torch.tensor(0.05)
+            else:
+                q, scale = fp8.quantize_rows(t)
+                out[name], out[f"{base}.weight_scale"] = q, scale[:, None]
+        else:
+            out[name] = t
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    qc = json.loads(json.dumps(CHANNEL_CONFIG))
+    if per_tensor:
+        qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return out
+
+
+def test_a_per_channel_checkpoint_loads_as_online_quantization(model_dir, tmp_path) -> None:
+    ckpt = tmp_path / "fp8-channel"
+    _quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
+    assert ModelConfig.load(ckpt).quantization == "fp8"
+    stored = _runner(ckpt)  # no flag: the checkpoint says FP8
+    online = _runner(model_dir, "fp8")
+    assert stored.model_config.fp8
+    for (name, a), (_, b) in zip(
+        stored.model.named_parameters(), online.model.named_parameters(), strict=True
+    ):
+        assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), name
+    ids = _prompt()
+    assert torch.equal(_logits(stored, ids), _logits(online, ids))
+
+
+def test_a_per_tensor_checkpoint_gives_every_row_the_tensor_scale(model_dir, tmp_path) -> None:
+    ckpt = tmp_path / "fp8-tensor"
+    stored = _quantized_checkpoint(Path(model_dir), ckpt, per_tensor=True)
+    runner = _runner(ckpt)
+    layer = runner.model.model.layers[1]
+    pre = "model.layers.1."
+    # The fused QKV matrix: each shard's rows dequantize to its own tensor.
+    qkv = layer.self_attn.qkv_proj
+    parts = [f"{pre}self_attn.{p}_proj" for p in "qkv"]
+    want = torch.cat([stored[f"{p}.weight"].float() * stored[f"{p}.weight_scale"] for p in parts])
+    torch.testing.assert_close(fp8.dequantize_rows(qkv.weight, qkv.weight_scale), want)
+    down = layer.mlp.down_proj
+    torch.testing.assert_close(
+        fp8.dequantize_rows(down.weight, down.weight_scale),
+        stored[f"{pre}mlp.down_proj.weight"].float() * stored[f"{pre}mlp.down_proj.weight_scale"],
+    )
+    logits = _logits(runner, _prompt())
+    assert torch.isfinite(logits).all()
+
+
+def test_unsupported_quantizations_are_refused_by_name() -> None:
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+    }
+    block = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ModelConfigError, match="block-wise"):
+        ModelConfig.from_dict({**base, "quantization_config": block})
+    with pytest.raises(ModelConfigError, match="awq"):
+        ModelConfig.from_dict({**base, "quantization_config": {"quant_method": "awq"}})
+    int8 = json.loads(json.dumps(CHANNEL_CONFIG))
+    int8["config_groups"]["group_0"]["weights"]["type"] = "int"
+    with pytest.raises(ModelConfigError, match="compressed-tensors"):
+        ModelConfig.from_dict({**base, "quantization_config": int8})
+    plain = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    assert ModelConfig.from_dict({**base, "quantization_config": plain}).fp8
+    moe = {
+        **base,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }
+    with pytest.raises(ModelConfigError, match="mixture-of-experts"):
+        ModelConfig.from_dict(moe).with_quantization("fp8")
+    with pytest.raises(ValueError, match="int4"):
+        EngineConfig(quantization="int4")
+
+
+def test_dummy_fp8_weights_have_the_dummy_spread(model_dir) -> None:
+    mc = ModelConfig.load(model_dir)
+    cfg = EngineConfig(
+        model=str(model_dir),
+        device="cpu",
+        page_size=4,
+        num_pages=64,
+        load_format="dummy",
+        quantization="fp8",
+    ).resolve(mc)
+    runner = ModelRunner(cfg, mc)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    w = fp8.dequantize_rows(qkv.weight, qkv.weight_scale)
+    assert 0.018 < w.std().item() < 0.022
+    assert torch.isfinite(_logits(runner, _prompt())).all()
