@@ -55,20 +55,27 @@ def test_rows_use_the_whole_range_and_round_to_e4m3() -> None:
     assert torch.equal(zeros.float(), torch.zeros(2, 8)) and (zscale > 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_product_matches_float64_of_the_quantized_operands(bias: bool) -> None:
+@pytest.mark.parametrize("path", ["scaled_mm", "reference"])
+def test_product_matches_float64_of_the_quantized_operands(
+    path: str, bias: bool, dtype: torch.dtype
+) -> None:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(7, 256, generator=g) * torch.logspace(-2, 1, 7)[:, None]
-    w = torch.randn(48, 256, generator=g) * 0.05
-    b = torch.randn(48, generator=g) if bias else None
+    x = (torch.randn(7, 256, generator=g) * torch.logspace(-2, 1, 7)[:, None]).to(dtype)
+    w = torch.randn(48 if path == "scaled_mm" else 40, 256, generator=g) * 0.05
+    b = torch.randn(w.shape[0], generator=g).to(dtype) if bias else None
     q, scale = fp8.quantize_rows(w)
+    assert fp8.scaled_mm_fits(q, q, dtype) == (path == "scaled_mm")  # 40 rows: not a x16
     got = fp8.linear(x, q, scale, b)
     xq, sx = fp8.quantize_rows(x)
     ref = fp8.dequantize_rows(xq, sx).double() @ fp8.dequantize_rows(q, scale).double().t()
     if b is not None:
         ref = ref + b.double()
-    assert got.dtype == x.dtype and got.shape == (7, 48)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert got.dtype == x.dtype and got.shape == ref.shape
+    # float32: the sums' rounding; bf16: the result's (and the bias add's) rounding.
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def _runner(model_dir: str | Path, quantization: str | None = None) -> ModelRunner:

@@ -7,9 +7,9 @@ token (row of ``x``) when the product runs, so
 
     y[m, n] = sx[m] * s[n] * sum_k Qx[m, k] * Q[n, k]
 
-is the FP8 product. ``linear`` computes that sum in float32 from the
-dequantized values on any device: the definition the tensor-core kernels are
-checked against. The attention and MLP projections take FP8 weights; the
+is the FP8 product: ``reference_product`` computes it in float32 from the
+dequantized values (the definition), ``linear`` through ``torch._scaled_mm``
+where that applies. The attention and MLP projections take FP8 weights; the
 embedding, the LM head and the norms stay in the model's dtype.
 
 Checkpoint formats read (``engine.model_config``'s ``quantization``): FP8
@@ -46,12 +46,42 @@ def linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for the FP8 weight ``(q, scale)``, ``x`` quantized
-    per token: the sum in float32, the result in ``x``'s dtype."""
+    per token; the result in ``x``'s dtype. ``torch._scaled_mm`` (cuBLASLt's FP8
+    tensor-core GEMM on Hopper, its own kernel on the CPU) where it takes the
+    shapes and dtype, else ``reference_product``."""
     xq, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
-    y = (xq.float() @ q.float().t()) * sx[:, None] * scale.float()[None, :]
+    if scaled_mm_fits(xq, q, x.dtype):
+        y = torch._scaled_mm(
+            xq,
+            q.t(),
+            scale_a=sx[:, None].contiguous(),
+            scale_b=scale.float()[None, :].contiguous(),
+            out_dtype=x.dtype,
+        )
+    else:
+        y = reference_product(xq, sx, q, scale).to(x.dtype)
     if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+        y = y + bias
+    return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+def scaled_mm_fits(xq: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` takes this product with one scale per row
+    of each operand: both dims of the weight multiples of 16; on CUDA a GPU
+    with FP8 tensor cores (sm 8.9+) and a bf16 result."""
+    if q.shape[0] % 16 or q.shape[1] % 16:
+        return False
+    if xq.is_cuda:
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(xq.device) >= (8, 9)
+    return dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def reference_product(
+    xq: torch.Tensor, sx: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``sx[m] * scale[n] * sum_k xq[m, k] * q[n, k]`` from the
+    dequantized values: the definition, on any device."""
+    return (xq.float() @ q.float().t()) * sx.float()[:, None] * scale.float()[None, :]
 
 
 def fp8_parameters(module: torch.nn.Module, out_features: int, in_features: int) -> None:
