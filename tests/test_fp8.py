@@ -18,6 +18,8 @@ from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.layers import fp8
 from engine.model_config import ModelConfig, ModelConfigError
+from engine.parallel.follower import RankContext
+from engine.parallel.ranks import LeadRunner, make_runner
 from engine.runner import ModelRunner
 
 QUANTIZED = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")  # fmt: skip
@@ -260,3 +262,54 @@ def test_dummy_fp8_weights_have_the_dummy_spread(model_dir) -> None:
     w = fp8.dequantize_rows(qkv.weight, qkv.weight_scale)
     assert 0.018 < w.std().item() < 0.022
     assert torch.isfinite(_logits(runner, _prompt())).all()
+
+
+class RankContextView:
+    """The lead runner seen as a rank's context (``_rank_params`` reads ``.runner``)."""
+
+    def __init__(self, runner: object) -> None:
+        self.runner = runner
+
+
+def _rank_params(ctx: RankContext | RankContextView) -> dict[str, torch.Tensor]:
+    """A rank's FP8 weights dequantized (run on the rank by ``LeadRunner.call``)."""
+    out = {}
+    for name, mod in ctx.runner.model.named_modules():
+        if getattr(mod, "weight_scale", None) is not None:
+            out[name] = fp8.dequantize_rows(mod.weight, mod.weight_scale)
+    return out
+
+
+def test_tp2_ranks_hold_their_part_of_an_fp8_checkpoint(model_dir, tmp_path) -> None:
+    ckpt = tmp_path / "fp8-tp"
+    _quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
+    mc = ModelConfig.load(ckpt)
+    cfg = EngineConfig(model=str(ckpt), device="cpu", page_size=4, num_pages=64, tp_size=2)
+    one = _runner(ckpt)
+    group = make_runner(cfg.resolve(mc), mc)
+    assert isinstance(group, LeadRunner)
+    try:
+        full = _rank_params(RankContextView(one))
+        ranks = [_rank_params(RankContextView(group)), group.call(1, _rank_params)]
+        q_size, kv_size = mc.q_size // 2, mc.kv_size // 2
+        for rank, params in enumerate(ranks):
+            # Column-parallel rows and row-parallel columns of the one-device
+            # weights, each row with its checkpoint scale.
+            whole = full["model.layers.0.self_attn.qkv_proj"]
+            q = whole[rank * q_size : (rank + 1) * q_size]
+            k0 = mc.q_size + rank * kv_size
+            k = whole[k0 : k0 + kv_size]
+            v = whole[k0 + mc.kv_size : k0 + mc.kv_size + kv_size]
+            assert torch.equal(params["model.layers.0.self_attn.qkv_proj"], torch.cat([q, k, v]))
+            o = full["model.layers.0.self_attn.o_proj"]
+            cols = o.shape[1] // 2
+            assert torch.equal(
+                params["model.layers.0.self_attn.o_proj"], o[:, rank * cols : (rank + 1) * cols]
+            )
+        ids = _prompt()
+        ref = _logits(one, ids)
+        got = _logits(group, ids)
+        # Each rank scales its own part of a row-parallel input per token.
+        assert ((got - ref).norm() / ref.norm()).item() < 0.1
+    finally:
+        group.close()
