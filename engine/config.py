@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.attention import ATTENTION_BACKENDS
-from engine.quantization import QUANTIZATIONS
+from engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from protocol.settings import setting
 
 if TYPE_CHECKING:
@@ -112,6 +112,14 @@ class EngineConfig:
     in one piece and the attention kernels walk one page-table entry per page, so
     bigger pages cost less per token; the prefix cache shares whole pages only,
     so a smaller size shares more of partly common prompts."""
+    kv_cache_dtype: str = setting(
+        "auto",
+        help="fp8_e4m3: KV pages in e4m3 (half the bytes of bf16 per token, per transfer and "
+        "per decode read; values saturate at +-448, no scaling); auto: the model's dtype "
+        "(default: %(default)s)",
+        group=KV_GROUP,
+        choices=KV_CACHE_DTYPES,
+    )
     num_pages: int | None = setting(
         None,
         help="pages in the KV pool (page 0 is reserved); overrides the sizing rules "
@@ -178,6 +186,11 @@ class EngineConfig:
             raise ValueError(
                 f"unknown quantization {self.quantization!r}; choose from {', '.join(QUANTIZATIONS)}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; "
+                f"choose from {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.attention_backend not in ATTENTION_CHOICES:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
@@ -243,10 +256,11 @@ class EngineConfig:
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         """Fill the 'auto' values from the model (returns a new config)."""
-        from engine.kvcache.pool import KVPoolConfig
+        from engine.kvcache.pool import KVPoolConfig, kv_cache_dtype
         from engine.parallel.shard import check_split, kv_head_range
 
         m = model_config
+        kv_dtype = kv_cache_dtype(self.kv_cache_dtype, m.dtype)
         check_split(
             self.tp_size,
             num_heads=m.num_heads,
@@ -268,7 +282,7 @@ class EngineConfig:
             # Every rank's pool holds the same pages, of its own KV heads.
             kv0, kv1 = kv_head_range(m.num_kv_heads, self.tp_size, 0)
             per_page = KVPoolConfig.bytes_per_page(
-                self.page_size, m.num_layers, kv1 - kv0, m.head_dim, m.dtype
+                self.page_size, m.num_layers, kv1 - kv0, m.head_dim, kv_dtype
             )
             gb = self.kv_cache_memory_gb or CPU_KV_CACHE_GB
             num_pages = max(2, int(gb * (1 << 30)) // per_page + 1)
@@ -277,7 +291,8 @@ class EngineConfig:
         if backend == "auto":
             from engine.attention.flashinfer import flashinfer_usable
 
-            usable = flashinfer_usable(device, model_config.dtype, model_config.head_dim)
+            # FP8 pages are read by the torch attention only, so far.
+            usable = kv_dtype == m.dtype and flashinfer_usable(device, m.dtype, m.head_dim)
             backend = "flashinfer" if usable else "torch_native"
         graph_bs = self.cuda_graph_max_bs
         if graph_bs is None:

@@ -17,7 +17,7 @@ from engine.attention.flashinfer import FlashInferAttention
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
-from engine.kvcache.pool import KVPool, KVPoolConfig
+from engine.kvcache.pool import KVPool, KVPoolConfig, kv_cache_dtype
 from engine.layers import moe
 from engine.layers.kernels import layer_kernels
 from engine.memory import MemoryPlan, peak_bytes
@@ -200,7 +200,7 @@ class ModelRunner:
             num_layers=self.model_config.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.model_config.head_dim,
-            dtype=self.model_config.dtype,
+            dtype=kv_cache_dtype(config.kv_cache_dtype, self.model_config.dtype),
             device=config.device,
         )
 
@@ -227,7 +227,11 @@ class ModelRunner:
             graphs=graphs,
             free_before_pool=torch.cuda.mem_get_info(self.device)[0],
             page_bytes=KVPoolConfig.bytes_per_page(
-                config.page_size, mc.num_layers, self.num_kv_heads, mc.head_dim, mc.dtype
+                config.page_size,
+                mc.num_layers,
+                self.num_kv_heads,
+                mc.head_dim,
+                kv_cache_dtype(config.kv_cache_dtype, mc.dtype),
             ),
         )
 

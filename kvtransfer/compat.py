@@ -23,10 +23,13 @@ def compat_info(
     backend: str,
     tp_size: int = 1,
     kv_head_ranges: str = "",
+    kv_dtype: str = "",
 ) -> dict[str, str]:
     """``page_bytes``: one page of one rank's pool; ``kv_head_ranges``: the KV
-    heads each rank holds ("0-1,1-2"; empty: one rank holding all)."""
+    heads each rank holds ("0-1,1-2"; empty: one rank holding all);
+    ``kv_dtype``: the pool's element type (empty: the model's ``dtype``)."""
     return {
+        "kv_dtype": kv_dtype or dtype,
         "model": model,
         "architecture": architecture,
         "num_layers": str(num_layers),

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.kvcache.pool import KV_FP8, KVPool, KVPoolConfig
 from engine.layers import fp8
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.parallel.follower import RankContext
@@ -313,3 +314,59 @@ def test_tp2_ranks_hold_their_part_of_an_fp8_checkpoint(model_dir, tmp_path) -> 
         assert ((got - ref).norm() / ref.norm()).item() < 0.1
     finally:
         group.close()
+
+
+# -- FP8 KV pages ------------------------------------------------------------
+
+
+def test_fp8_pages_saturate_instead_of_overflowing() -> None:
+    pool = KVPool(KVPoolConfig(num_pages=4, page_size=2, num_layers=1, num_kv_heads=2, head_dim=8, dtype=KV_FP8))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 2, 8, generator=g) * 100
+    k[0, 0, 0], k[1, 1, 1] = 1e4, -1e4  # beyond e4m3's 448
+    v = torch.randn(3, 2, 8, generator=g)
+    pages, slots = torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0])
+    pool.write(0, pages, slots, k, v)
+    got_k = pool.k_layer(0)[pages, slots].float()
+    assert torch.isfinite(got_k).all()
+    assert got_k[0, 0, 0] == 448 and got_k[1, 1, 1] == -448
+    inside = k.abs() <= 448
+    err = (got_k - k).abs()[inside]
+    assert (err <= k.abs()[inside] * 2**-4 + 2**-10).all()
+
+
+def test_attention_reads_fp8_pages_as_their_values(model_dir) -> None:
+    """The FP8-KV engine against one whose float32 pool holds the same
+    (rounded) values: prefill, then decode steps over the cached pages."""
+    mc = ModelConfig.load(model_dir)
+    fp8_cfg = EngineConfig(
+        model=str(model_dir), device="cpu", page_size=4, num_pages=64, kv_cache_dtype="fp8_e4m3"
+    ).resolve(mc)
+    assert fp8_cfg.attention_backend == "torch_native"
+    a, b = ModelRunner(fp8_cfg, mc), _runner(model_dir)
+    assert a.pool.kv.dtype == KV_FP8 and a.pool.config.page_bytes * 4 == b.pool.config.page_bytes
+    ids = _prompt(13)
+    pages = a.pool.allocator.alloc(5)
+    assert pages is not None and b.pool.allocator.alloc(5) == pages
+    first = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu")
+    a.forward_logits(first)
+    b.forward_logits(first)
+    b.pool.kv.copy_(a.pool.kv.float())  # the same KV values in both pools
+    # ... and the float32 pool stores new rows rounded as the FP8 pool does.
+    b.pool.stored = lambda x: a.pool.stored(x).float()
+    for step in range(3):
+        batch = build_forward_batch([ExtendSpec([7 + step], 13 + step, pages)], 4, "cpu")
+        got, want = a.forward_logits(batch), b.forward_logits(batch)
+        assert torch.equal(a.pool.kv.float(), b.pool.kv)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_kv_stays_near_full_precision_kv(model_dir) -> None:
+    mc = ModelConfig.load(model_dir)
+    cfg = EngineConfig(
+        model=str(model_dir), device="cpu", page_size=4, num_pages=64, kv_cache_dtype="fp8_e4m3"
+    ).resolve(mc)
+    ids = _prompt()
+    ref, got = _logits(_runner(model_dir), ids), _logits(ModelRunner(cfg, mc), ids)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 1e-4 < rel < 0.1, rel

@@ -189,9 +189,14 @@ def test_handshake_mismatch_and_token(model_dir: str, tmp_path) -> None:
     p = PrefillLoop(worker_config(model_dir, "prefill"))
     d_bad_token = DecodeLoop(worker_config(model_dir, "decode", cluster_token="wrong"))
     d_bad_page = DecodeLoop(worker_config(model_dir, "decode", page_size=2))
+    d_fp8 = DecodeLoop(worker_config(model_dir, "decode", kv_cache_dtype="fp8_e4m3"))
     spec = SamplingParams(max_tokens=4, temperature=0.0)
     try:
-        for d, needle in ((d_bad_token, "cluster token"), (d_bad_page, "page_size")):
+        for d, needle in (
+            (d_bad_token, "cluster token"),
+            (d_bad_page, "page_size"),
+            (d_fp8, "kv_dtype (prefill float32, decode float8_e4m3fn)"),
+        ):
             h = Harness(p, d)
             h.submit("x", [5, 6, 7, 8, 9], spec)
             h.run(deadline_s=20)
@@ -200,8 +205,28 @@ def test_handshake_mismatch_and_token(model_dir: str, tmp_path) -> None:
             assert_pools_idle(d)
         assert_pools_idle(p)
     finally:
-        for loop in (p, d_bad_token, d_bad_page):
+        for loop in (p, d_bad_token, d_bad_page, d_fp8):
             loop.close()
+
+
+def test_pd_with_fp8_kv_matches_colocated_fp8(model_dir: str) -> None:
+    """FP8 pages move as bytes: the pair decodes what one FP8 engine does."""
+    prompts = prompts_with_shared_prefixes(8, seed=3)
+    spec = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = LLM(model_dir, page_size=4, num_pages=256, kv_cache_dtype="fp8_e4m3")
+    expected = llm.generate(prompts, spec)
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    with pd_loops(model_dir, prefill=fp8, decode=fp8) as (p, d):
+        for loop in (p, d):
+            assert str(loop.engine.runner.pool.kv.dtype) == "torch.float8_e4m3fn"
+        h = Harness(p, d)
+        for i, prompt in enumerate(prompts):
+            h.submit(f"r{i}", prompt, spec)
+        h.run()
+        for i, e in enumerate(expected):
+            assert h.tokens[f"r{i}"] == e.token_ids, f"request {i}"
+        assert_pools_idle(p)
+        assert_pools_idle(d)
 
 
 def test_duplicate_room_and_abort(model_dir: str) -> None:

@@ -32,6 +32,7 @@ def engine_compat(engine: Engine, backend_name: str) -> dict[str, str]:
         backend=backend_name,
         tp_size=tp,
         kv_head_ranges=format_ranges(kv_head_ranges(mc.num_kv_heads, tp)),
+        kv_dtype=str(pool.config.dtype).removeprefix("torch."),
     )
 
 

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+KV_FP8 = torch.float8_e4m3fn
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for ``--kv-cache-dtype`` ``name``."""
+    return KV_FP8 if name == "fp8_e4m3" else model_dtype
+
 
 @dataclass(frozen=True)
 class KVPoolConfig:
@@ -121,6 +128,15 @@ class KVPool:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at (page, slot) pairs."""
-        self.kv[page_idx, layer, 0, slot_idx] = k.to(self.kv.dtype)
-        self.kv[page_idx, layer, 1, slot_idx] = v.to(self.kv.dtype)
+        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at (page, slot) pairs
+        (into e4m3 pages saturated at the format's largest value: a plain cast
+        would make NaN of anything beyond it)."""
+        self.kv[page_idx, layer, 0, slot_idx] = self.stored(k)
+        self.kv[page_idx, layer, 1, slot_idx] = self.stored(v)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the pool stores it."""
+        if self.kv.dtype == KV_FP8:
+            limit = torch.finfo(KV_FP8).max
+            return x.float().clamp(-limit, limit).to(KV_FP8)
+        return x.to(self.kv.dtype)
