@@ -20,6 +20,15 @@ Token counts come from the server's final usage chunk (``stream_options:
 chunk, a broken stream, no text at all) are counted in ``failed`` and left out
 of every other metric. One JSON line per run is appended to ``--output-file``.
 
+A goodput sweep (``--sweep-request-rates 2 4 8 16`` or ``--sweep-max-concurrency
+1 8 32 64``, with ``--slo``) runs the workload once per value, in increasing
+order, each run as a plain one would (the same prompts, the same warm-up). A
+point holds when no request failed and the p99 of every metric in ``--slo`` is
+within its objective; the sweep stops after the first point that does not
+(``--sweep-all`` runs them all). It prints a row per point, the highest value
+that held (its output tok/s and goodput) and the first that broke (and why);
+the JSON line holds every point's metrics under ``"sweep"``.
+
 The client must not add latency of its own: a chunk's time is when its bytes
 arrived, read in the socket's callback by a lean HTTP/1.1 client
 (``harness/http_stream.py``; ``--http-client httpx`` for the general one);
@@ -34,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -54,20 +62,25 @@ from harness.loadgen import (
     CONCURRENCY_PER_PROCESS,
     ENDPOINTS,
     HTTP_CLIENTS,
+    SWEEP_NAMES,
     BenchConfig,
     RequestOutcome,
     RequestSpec,
     add_workload_args,
-    benchmark,
-    compute_metrics,
-    default_client_processes,
+    json_rate,
+    measure,
     parse_slo,
     prompt_kind,
+    run_sweep,
     sample_requests,
 )
 
 DEFAULT_OUTPUT = RESULTS_DIR / "serving.jsonl"
 BACKEND_ALIASES = {"openai": "openai-completions"}
+SWEEP_FLAGS = {
+    "request_rate": "--sweep-request-rates",
+    "max_concurrency": "--sweep-max-concurrency",
+}
 
 
 def workload_info(args: argparse.Namespace, requests: Sequence[RequestSpec]) -> dict[str, Any]:
@@ -139,6 +152,40 @@ def format_table(r: dict[str, Any]) -> str:
             label = stat.capitalize() if stat in ("mean", "median") else stat.upper()
             row(f"{label} {upper} (ms):", r[f"{stat}_{name}_ms"])
     rows.append("=" * 50)
+    return "\n".join(rows)
+
+
+def format_sweep(sweep: dict[str, Any]) -> str:
+    """One row per point, then the highest point that held and the first that broke."""
+    over, slo, summary = sweep["over"], sweep["slo_ms"], sweep["summary"]
+    name = SWEEP_NAMES[over]
+    objectives = ", ".join(f"{k} <= {v:g}" for k, v in slo.items())
+    cols = ["ok", "failed", "req/s", "out tok/s", "goodput", *(f"p99 {k}" for k in slo)]
+    head = f"{name:>16}" + "".join(f"{c:>10}" for c in cols) + "  verdict"
+    width = len(head) + 10  # room for the verdicts
+    rows = [
+        "{s:{c}^{w}}".format(s=" Goodput Sweep ", c="=", w=width),
+        f"Objectives (p99, ms): {objectives}",
+        head,
+    ]
+    for p in sweep["points"]:
+        keys = ["completed", "failed", "request_throughput", "output_throughput"]
+        keys += ["request_goodput", *(f"p99_{k}_ms" for k in slo)]
+        verdict = "holds" if p["holds"] else f"breaks: {', '.join(p['broken'])}"
+        cells = "".join(f"{format_value(p[k]):>10}" for k in keys)
+        rows.append(f"{format_value(p[over]):>16}{cells}  {verdict}")
+    rows.append("-" * width)
+    if best := summary["highest_holding"]:
+        rows.append(
+            f"Highest {name} that held: {format_value(best['value'])} (output "
+            f"{best['output_throughput']:.2f} tok/s, goodput {best['request_goodput']:.2f} req/s)"
+        )
+    else:
+        rows.append(f"Highest {name} that held: none")
+    first = summary["first_broken"]
+    broke = f"{format_value(first['value'])} ({first['reason']})" if first else "none"
+    rows.append(f"First {name} that broke: {broke}")
+    rows.append("=" * width)
     return "\n".join(rows)
 
 
@@ -292,6 +339,35 @@ def build_parser() -> argparse.ArgumentParser:
         "request_goodput counts requests per second meeting all of them",
     )
 
+    sw = ap.add_argument_group(
+        "goodput sweep",
+        "one run per value, in increasing order, each as a plain run (the same prompts and "
+        "warm-up); a point holds when no request failed and the p99 of every metric in --slo "
+        "is within its objective",
+    )
+    swept = sw.add_mutually_exclusive_group()
+    swept.add_argument(
+        "--sweep-request-rates",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="RATE",
+        help="one run per request rate, in place of --request-rate; needs --slo",
+    )
+    swept.add_argument(
+        "--sweep-max-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="one run per concurrency limit, in place of --max-concurrency; needs --slo",
+    )
+    sw.add_argument(
+        "--sweep-all",
+        action="store_true",
+        help="run every point (default: stop after the first that does not hold)",
+    )
+
     out = ap.add_argument_group("output")
     out.add_argument(
         "--output-file",
@@ -342,10 +418,37 @@ def fetch_model(base_url: str, api_key: str | None) -> tuple[str, int | None]:
     return models[0]["id"], models[0].get("max_model_len")
 
 
+def sweep_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, list] | None:
+    """The swept setting (a ``BenchConfig`` field) and its values; None
+    without a sweep flag. Exits through ``parser.error`` on bad use."""
+    given = {
+        "request_rate": args.sweep_request_rates,
+        "max_concurrency": args.sweep_max_concurrency,
+    }
+    over = next((name for name, values in given.items() if values), None)
+    if over is None:
+        if args.sweep_all:
+            parser.error(f"--sweep-all needs {' or '.join(SWEEP_FLAGS.values())}")
+        return None
+    flag, values = SWEEP_FLAGS[over], given[over]
+    if min(values) <= 0:
+        parser.error(f"{flag} values must be > 0")
+    if not args.slo:
+        parser.error(
+            f"{flag} needs --slo (e.g. --slo ttft=500,tpot=30): its objectives decide "
+            "which points hold"
+        )
+    if args.plot:
+        parser.error(f"--plot draws one run's distributions, not {flag}'s")
+    return over, values
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run one benchmark; return the JSON record (also printed and appended)."""
+    """Run one benchmark, or a goodput sweep; return the JSON record (also
+    printed and appended)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    sweep = sweep_of(parser, args)
     args.backend = BACKEND_ALIASES.get(args.backend, args.backend)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/").removesuffix("/v1")
     if args.plot:
@@ -400,15 +503,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         show_progress=not args.disable_progress,
         http_client=args.http_client,
     )
-    processes = args.num_client_processes or default_client_processes(config)
-    config = dataclasses.replace(config, num_client_processes=processes)
+    load = {"request_rate": f"rate {args.request_rate}"}
+    load["max_concurrency"] = f"max concurrency {args.max_concurrency}"
+    if sweep:
+        over, values = sweep
+        load[over] = f"{SWEEP_NAMES[over]} swept"
     print(
-        f"{len(requests)} requests to {config.url} (model {model}), rate {args.request_rate}, "
-        f"max concurrency {args.max_concurrency}, {args.http_client} client",
+        f"{len(requests)} requests to {config.url} (model {model}), {', '.join(load.values())}, "
+        f"{args.http_client} client",
         file=sys.stderr,
     )
-    result = benchmark(config)
-    rate = args.request_rate
+    result = None
+    if sweep:
+        sweep_record = run_sweep(
+            config, over, values, args.slo, args.sweep_all, args.num_client_processes
+        )
+        measured = {"sweep": sweep_record}
+    else:
+        result, measured = measure(config, args.slo, args.num_client_processes)
     record: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "label": args.label,
@@ -417,29 +529,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "base_url": base_url,
         "endpoint": config.url.removeprefix(base_url),
         "model": model,
-        "request_rate": "inf" if math.isinf(rate) else rate,
+        "request_rate": json_rate(args.request_rate),
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "workload": workload_info(args, requests),
-        **compute_metrics(result.outcomes, result.duration, args.slo),
-        "client": {"http_client": args.http_client, "processes": result.processes},
+        **measured,
         "command": command_line(sys.argv[1:] if argv is None else argv),
         "git_commit": git_commit(),
         "machine": machine_info(),
     }
-    print(format_table(record))
-    if record["errors"]:
-        print(f"errors: {record['errors']}", file=sys.stderr)
+    if sweep:
+        record[over] = sweep_record["values"]  # those asked for; "sweep" holds those run
+        print(format_sweep(sweep_record))
+    else:
+        print(format_table(record))
+        if record["errors"]:
+            print(f"errors: {record['errors']}", file=sys.stderr)
     if not args.no_output:
         path = Path(args.output_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(f"appended to {path}", file=sys.stderr)
-    if args.plot:
+    if args.plot and result:
         write_plot(result.outcomes, args.plot, f"{model} {args.label or ''}".strip())
     return record
 
 
+def completed_any(record: dict[str, Any]) -> bool:
+    """Whether any request of the run (of any point of a sweep) completed."""
+    runs = record["sweep"]["points"] if "sweep" in record else [record]
+    return any(r["completed"] for r in runs)
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main()["completed"] else 1)
+    sys.exit(0 if completed_any(main()) else 1)

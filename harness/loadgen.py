@@ -1,6 +1,8 @@
 """The load generator of the serving benchmark (``python -m benchmarks.bench_serving``):
 workloads, arrival times, sending streamed requests and timing their chunks,
-and the metrics vLLM's and SGLang's serving benchmarks report.
+the metrics vLLM's and SGLang's serving benchmarks report, and goodput
+sweeps (one run per request rate or concurrency, each held to the p99 of
+service-level objectives).
 
 The client must not add latency of its own: a chunk's time is when its bytes
 arrived, read in the socket's callback by a lean HTTP/1.1 client
@@ -27,11 +29,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import connection as mp_connection
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import numpy as np
@@ -883,3 +885,123 @@ def compute_metrics(
     errors = [o.error for o in outcomes if not o.success]
     m["errors"] = sorted(set(errors))[:10]
     return m
+
+
+def json_rate(rate: float) -> float | str:
+    """A request rate as a JSON record holds it: ``"inf"`` for no pauses."""
+    return "inf" if math.isinf(rate) else rate
+
+
+def measure(
+    config: BenchConfig, slo: dict[str, float] | None, processes: int | None = None
+) -> tuple[BenchmarkResult, dict[str, Any]]:
+    """One run: its result and what a record gives of it (the metrics and
+    the client). ``processes``: client processes, None for the default."""
+    processes = processes or default_client_processes(config)
+    result = benchmark(replace(config, num_client_processes=processes))
+    client = {"http_client": config.http_client, "processes": result.processes}
+    return result, {**compute_metrics(result.outcomes, result.duration, slo), "client": client}
+
+
+# -- goodput sweep --------------------------------------------------------------
+
+SWEEP_NAMES = {"request_rate": "request rate", "max_concurrency": "max concurrency"}
+"""The settings a sweep can vary (``BenchConfig`` fields), as printed."""
+
+
+class Verdict(NamedTuple):
+    """Whether one point of a goodput sweep holds: no request failed and the
+    p99 of every metric with an objective is within it."""
+
+    broken: tuple[str, ...]
+    """What the point missed: the SLO metrics whose p99 is over their
+    objective, in the SLO's order, then "failed" when a request failed."""
+
+    @property
+    def holds(self) -> bool:
+        return not self.broken
+
+
+def slo_verdict(metrics: dict[str, Any], slo: dict[str, float]) -> Verdict:
+    """The verdict on ``compute_metrics``' output. A metric without samples
+    (TPOT when every output is one token) misses no objective."""
+    over = tuple(k for k, limit in slo.items() if (metrics[f"p99_{k}_ms"] or 0.0) > limit)
+    return Verdict(over + (("failed",) if metrics["failed"] else ()))
+
+
+def why_broken(point: dict[str, Any], slo: dict[str, float]) -> str:
+    """What a sweep point missed, e.g. ``ttft p99 812.30 ms > 500 ms, 2 failed``."""
+    return ", ".join(
+        f"{point['failed']} failed"
+        if name == "failed"
+        else f"{name} p99 {point[f'p99_{name}_ms']:.2f} ms > {slo[name]:g} ms"
+        for name in point["broken"]
+    )
+
+
+def run_sweep(
+    config: BenchConfig,
+    over: str,
+    values: Sequence[float],
+    slo: dict[str, float],
+    run_all: bool = False,
+    processes: int | None = None,
+) -> dict[str, Any]:
+    """One run of ``config`` per value of its setting ``over``, in increasing
+    order, until the first point that does not hold (every one if
+    ``run_all``); the points (their settings, metrics and verdict) and the
+    summary, as a record holds them."""
+    values = sorted(set(values))
+    points = []
+    for value in values:
+        print(f"== {SWEEP_NAMES[over]} {value}", file=sys.stderr)
+        point_config = replace(config, **{over: value})
+        _, measured = measure(point_config, slo, processes)
+        verdict = slo_verdict(measured, slo)
+        point = {
+            "request_rate": json_rate(point_config.request_rate),
+            "max_concurrency": point_config.max_concurrency,
+            **measured,
+            "holds": verdict.holds,
+            "broken": list(verdict.broken),
+        }
+        points.append(point)
+        print("holds" if verdict.holds else f"breaks: {why_broken(point, slo)}", file=sys.stderr)
+        if point["errors"]:
+            print(f"errors: {point['errors']}", file=sys.stderr)
+        if not (verdict.holds or run_all):
+            break
+    return {
+        "over": over,
+        "values": [json_rate(v) for v in values],
+        "slo_ms": slo,
+        "run_all": run_all,
+        "points": points,
+        "summary": sweep_summary(points, over, slo),
+    }
+
+
+def sweep_summary(
+    points: Sequence[dict[str, Any]], over: str, slo: dict[str, float]
+) -> dict[str, Any]:
+    """The highest point that held and the first that broke, None where there
+    is none. Points are in increasing order; with --sweep-all, a point above a
+    broken one may hold again."""
+    held = [p for p in points if p["holds"]]
+    broken = [p for p in points if not p["holds"]]
+    summary: dict[str, Any] = {"highest_holding": None, "first_broken": None}
+    if held:
+        best = held[-1]
+        summary["highest_holding"] = {
+            "value": best[over],
+            "output_throughput": best["output_throughput"],
+            "request_goodput": best["request_goodput"],
+        }
+    if broken:
+        first = broken[0]
+        summary["first_broken"] = {
+            "value": first[over],
+            "broken": first["broken"],
+            "reason": why_broken(first, slo),
+        }
+    return summary

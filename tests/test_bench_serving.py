@@ -9,7 +9,9 @@ markers that slow a request down, fail it or drop its usage chunk; the tool
 itself runs against it too, and its JSON record is checked. The same server
 at a real deployment's pace checks that the client adds no latency of its
 own, at concurrency 1 and 64. The raw HTTP client's framing, keep-alive and
-timeouts are checked piece by piece. Then the tool runs against the real
+timeouts are checked piece by piece. A goodput sweep's verdicts are checked
+on requests of known timing, and the tool sweeps a fake server whose latency
+grows with the streams in flight. Then the tool runs against the real
 gateway (embedded tiny workers, CPU), and compare_pd runs both deployments on
 a tiny dummy model.
 """
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import signal
@@ -41,7 +44,13 @@ from engine.tiny import MODEL_CONFIG
 from gateway.text import Tokenizer
 from harness import http_stream
 from harness import loadgen as bench
-from harness.fake_openai_server import Timing, serve_in_process
+from harness.fake_openai_server import (
+    Connection,
+    ServerStats,
+    Timing,
+    listening_socket,
+    serve_in_process,
+)
 
 TTFT_S = 0.8
 GAP_S = 0.1
@@ -630,6 +639,222 @@ def test_sharegpt_missing_file_errors_clearly(tmp_path: Path) -> None:
     r, proc = run_tool(out, "--dataset-name", "sharegpt", "--dataset-path", str(missing))
     assert (proc.returncode, r) == (2, None)
     assert f"ShareGPT file not found: {missing}" in proc.stderr
+
+
+# -- goodput sweep -------------------------------------------------------------------
+
+
+def done(ttft_s: float, gap_s: float, tokens: int = 3) -> bench.RequestOutcome:
+    """A successful request of known timing: TPOT is ``gap_s``."""
+    return bench.RequestOutcome(
+        prompt_len=4,
+        success=True,
+        ttft=ttft_s,
+        latency=ttft_s + (tokens - 1) * gap_s,
+        itl=[gap_s] * (tokens - 1),
+        chunks=tokens,
+        prompt_tokens=4,
+        completion_tokens=tokens,
+    )
+
+
+FAILED = bench.RequestOutcome(prompt_len=4, error="HTTP 500: injected")
+
+
+def test_a_sweep_point_holds_when_every_p99_is_within_and_nothing_failed() -> None:
+    slo = {"ttft": 500.0, "tpot": 30.0}
+
+    def verdict(outcomes: list[bench.RequestOutcome]) -> bench.Verdict:
+        return bench.slo_verdict(bench.compute_metrics(outcomes, 1.0, slo), slo)
+
+    quick = [done(0.2, 0.02)] * 98
+    assert verdict(quick) == bench.Verdict(()) and verdict(quick).holds
+    # One request in a hundred over an objective leaves the p99 within it
+    # (the mean too); two take the p99 over it, while the mean stays within.
+    assert verdict([*quick, done(0.2, 0.02), done(0.9, 0.02)]).holds
+    assert verdict([*quick, done(0.9, 0.02), done(0.9, 0.02)]).broken == ("ttft",)
+    assert verdict([*quick, done(0.2, 0.05), done(0.2, 0.05)]).broken == ("tpot",)
+    assert verdict([*quick, done(0.9, 0.05), done(0.9, 0.05)]).broken == ("ttft", "tpot")
+    # A failed request breaks a point whose latencies all hold.
+    assert verdict([*quick, FAILED]).broken == ("failed",)
+    assert verdict([*quick, done(0.9, 0.02), done(0.9, 0.02), FAILED]).broken == (
+        "ttft",
+        "failed",
+    )
+    # At the objective holds; a metric without samples (TPOT of one-token
+    # outputs) misses nothing; metrics without an objective are not read.
+    at_limit = {"failed": 0, "p99_ttft_ms": 500.0, "p99_tpot_ms": None, "p99_e2el_ms": 1e9}
+    assert bench.slo_verdict(at_limit, slo).holds
+    assert bench.slo_verdict(at_limit | {"p99_ttft_ms": 500.01}, slo).broken == ("ttft",)
+
+
+def test_a_sweep_stops_after_the_first_point_that_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for the benchmark, TTFT 50 ms per request/s, one failed
+    request at 4 req/s: 1 and 2 hold, 4 breaks on the failure alone and ends
+    the sweep; with run_all, 8 runs and breaks on TTFT, and the summary still
+    names 2 and 4."""
+    ran: list[tuple[float, int | None]] = []
+
+    def fake_benchmark(config: bench.BenchConfig) -> bench.BenchmarkResult:
+        ran.append((config.request_rate, config.max_concurrency))
+        outcomes = [done(0.05 * config.request_rate, 0.01) for _ in config.requests]
+        if config.request_rate == 4:
+            outcomes[0] = FAILED
+        return bench.BenchmarkResult(outcomes, duration=2.0)
+
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    cfg = bench.BenchConfig("http://x", "m", [bench.RequestSpec("p", 4, 3)] * 10, max_concurrency=3)
+    slo = {"ttft": 300.0}
+    rates = [1.0, 2.0, 4.0, 8.0]
+    sweep = bench.run_sweep(cfg, "request_rate", rates, slo)
+    assert ran == [(1.0, 3), (2.0, 3), (4.0, 3)]
+    points = sweep["points"]
+    assert [(p["request_rate"], p["holds"], p["broken"]) for p in points] == [
+        (1.0, True, []),
+        (2.0, True, []),
+        (4.0, False, ["failed"]),
+    ]
+    # Each point carries a plain run's metrics.
+    plain = bench.compute_metrics([done(0.05, 0.01)] * 10, 2.0, slo)
+    assert {k: points[0][k] for k in plain} == plain
+    assert points[1]["output_throughput"] == 10 * 3 / 2.0
+    best = {k: points[1][k] for k in ("output_throughput", "request_goodput")}
+    assert sweep["summary"] == {
+        "highest_holding": {"value": 2.0, **best},
+        "first_broken": {"value": 4.0, "broken": ["failed"], "reason": "1 failed"},
+    }
+    assert (sweep["over"], sweep["values"], sweep["slo_ms"]) == ("request_rate", rates, slo)
+
+    ran.clear()
+    sweep = bench.run_sweep(cfg, "request_rate", rates, slo, run_all=True)
+    assert [rate for rate, _ in ran] == rates
+    assert [p["broken"] for p in sweep["points"]] == [[], [], ["failed"], ["ttft"]]
+    assert bench.why_broken(sweep["points"][3], slo) == "ttft p99 400.00 ms > 300 ms"
+    assert sweep["summary"]["highest_holding"]["value"] == 2.0
+    assert sweep["summary"]["first_broken"]["value"] == 4.0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sweep-request-rates", "1", "2"], "--sweep-request-rates needs --slo"),
+        (["--sweep-max-concurrency", "1", "2"], "--sweep-max-concurrency needs --slo"),
+        (
+            ["--slo", "ttft=500", "--sweep-request-rates", "1", "--sweep-max-concurrency", "2"],
+            "not allowed with argument",
+        ),
+        (["--slo", "ttft=500", "--sweep-max-concurrency", "4", "0"], "values must be > 0"),
+        (["--slo", "ttft=500", "--sweep-all"], "--sweep-all needs"),
+    ],
+)
+def test_sweep_flags_need_slo_and_exclude_each_other(
+    argv: list[str], message: str, tmp_path: Path
+) -> None:
+    # Nothing listens on port 1: a run that got past the flags would fail otherwise.
+    base = ["--base-url", "http://127.0.0.1:1", "--model", "m", "--num-prompts", "2"]
+    r, proc = run_tool(tmp_path / "r.jsonl", *base, *argv)
+    assert (proc.returncode, r) == (2, None), proc.stderr
+    assert message in proc.stderr
+
+
+SWEEP_UNIT = Timing(0.04, 0.01)
+"""The load-dependent fake server's TTFT and gap per stream in flight."""
+
+
+class LoadedConnection(Connection):
+    """A fake server's connection whose streams' TTFT and token gaps are
+    ``SWEEP_UNIT`` times the streams in flight when each arrives (itself
+    included): at concurrency C, at most C times the unit's."""
+
+    in_flight = 0
+    """Streams of this server process (one event loop)."""
+
+    def completion(self, raw: bytes, chat: bool) -> None:
+        LoadedConnection.in_flight += 1
+        k = LoadedConnection.in_flight
+        self.timing = Timing(SWEEP_UNIT.ttft_s * k, SWEEP_UNIT.gap_s * k)
+        super().completion(raw, chat)
+
+    def stream_done(self) -> None:
+        LoadedConnection.in_flight -= 1
+        super().stream_done()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.stream is not None:
+            LoadedConnection.in_flight -= 1
+        super().connection_lost(exc)
+
+
+def _serve_loaded(sock: Any) -> None:
+    async def serve() -> None:
+        stats = ServerStats()
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: LoadedConnection(SWEEP_UNIT, stats), sock=sock)
+        await server.serve_forever()
+
+    asyncio.run(serve())
+
+
+@pytest.fixture(scope="module")
+def loaded_server() -> Iterator[str]:
+    """Listening before the fork, as ``serve_in_process``: no start-up wait."""
+    sock = listening_socket()
+    proc = multiprocessing.get_context("fork").Process(
+        target=_serve_loaded, args=(sock,), daemon=True
+    )
+    proc.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+        proc.kill()
+        proc.join(10)
+
+
+@pytest.mark.parametrize(
+    "slo, objective, sweep_all",
+    [("ttft=320", "ttft", False), ("ttft=5000,tpot=80", "tpot", True)],
+)
+def test_the_tool_sweeps_concurrency_up_to_the_first_broken_objective(
+    loaded_server: str, slo: str, objective: str, sweep_all: bool, tmp_path: Path
+) -> None:
+    """16 requests at once against the load-dependent server. Concurrency 1
+    and 4: TTFT <= 160 ms and TPOT <= 40 ms, both half their objective; 16:
+    all in flight, the slowest request's TTFT is about 640 ms and TPOT 160 ms,
+    twice their objective. The sweep stops there, unless --sweep-all runs 64."""
+    argv = ["--base-url", loaded_server, "--num-prompts", "16", "--random-input-len", "4"]
+    argv += ["--random-output-len", "4", "--sweep-max-concurrency", "16", "64", "1", "4"]
+    argv += ["--slo", slo, "--label", "sweep", *(["--sweep-all"] if sweep_all else [])]
+    r, proc = run_tool(tmp_path / "r.jsonl", *argv)
+    assert proc.returncode == 0 and r is not None, f"{proc.stdout}\n{proc.stderr}"
+    sweep = r["sweep"]
+    points = sweep["points"]
+    ran = [1, 4, 16, 64] if sweep_all else [1, 4, 16]
+    assert [p["max_concurrency"] for p in points] == ran
+    assert [p["broken"] for p in points] == [[], []] + [[objective]] * (len(ran) - 2)
+    assert all((p["completed"], p["failed"], p["request_rate"]) == (16, 0, "inf") for p in points)
+    held = points[1]
+    assert held["request_goodput"] == pytest.approx(held["request_throughput"])
+    assert sweep["summary"] == {
+        "highest_holding": {
+            "value": 4,
+            "output_throughput": held["output_throughput"],
+            "request_goodput": held["request_goodput"],
+        },
+        "first_broken": {
+            "value": 16,
+            "broken": [objective],
+            "reason": bench.why_broken(points[2], bench.parse_slo(slo)),
+        },
+    }
+    # The record keeps a plain run's fields; the concurrencies asked for, in order.
+    assert r["max_concurrency"] == sweep["values"] == [1, 4, 16, 64]
+    assert r["label"] == "sweep" and r["workload"]["num_prompts"] == 16
+    assert r["date"] and r["git_commit"] and r["machine"]["python"]
+    assert "--sweep-max-concurrency 16 64 1 4" in r["command"]
+    assert "Goodput Sweep" in proc.stdout
+    assert "Highest max concurrency that held: 4 (output " in proc.stdout
+    assert f"First max concurrency that broke: 16 ({objective} p99 " in proc.stdout
 
 
 # -- dummy model ---------------------------------------------------------------------
