@@ -22,7 +22,8 @@ of every other metric. One JSON line per run is appended to ``--output-file``.
 
 A goodput sweep (``--sweep-request-rates 2 4 8 16`` or ``--sweep-max-concurrency
 1 8 32 64``, with ``--slo``) runs the workload once per value, in increasing
-order, each run as a plain one would (the same prompts, the same warm-up). A
+order, each run as a plain one would (the same warm-up; from the second point
+on, prompts of the same lengths drawn anew, so none is a prefix-cache hit). A
 point holds when no request failed and the p99 of every metric in ``--slo`` is
 within its objective; the sweep stops after the first point that does not
 (``--sweep-all`` runs them all). It prints a row per point, the highest value
@@ -341,9 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = ap.add_argument_group(
         "goodput sweep",
-        "one run per value, in increasing order, each as a plain run (the same prompts and "
-        "warm-up); a point holds when no request failed and the p99 of every metric in --slo "
-        "is within its objective",
+        "one run per value, in increasing order, each as a plain run (later points: prompts "
+        "of the same lengths drawn anew); a point holds when no request failed and the p99 of "
+        "every metric in --slo is within its objective",
     )
     swept = sw.add_mutually_exclusive_group()
     swept.add_argument(

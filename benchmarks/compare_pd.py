@@ -289,7 +289,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     if args.model in PRESETS:
         parser.error(f"a preset has no tokenizer for the gateway: use --dummy-preset {args.model}")
     # Bad benchmark flags must fail before any process starts.
-    bench_serving.build_parser().parse_args([*bench_args, "--base-url", "http://check"])
+    checked = bench_serving.build_parser().parse_args([*bench_args, "--base-url", "http://check"])
+    if checked.sweep_request_rates or checked.sweep_max_concurrency:
+        parser.error("compare_pd compares one run per deployment: no --sweep-* flags")
 
     old_handler = signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.ExitStack() as stack:

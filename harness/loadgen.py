@@ -122,7 +122,12 @@ def warmup_specs(requests: Sequence[RequestSpec], count: int, seed: int) -> list
     none shares a prefix with a measured prompt: a warm-up that sent measured
     prompts would leave them in the server's prefix cache, and their TTFT would
     be a cache hit's. Token ids come from the range the measured prompt uses."""
-    rng = random.Random(f"warmup-{seed}")
+    return redrawn(requests, count, random.Random(f"warmup-{seed}"))
+
+
+def redrawn(requests: Sequence[RequestSpec], count: int, rng: random.Random) -> list[RequestSpec]:
+    """``count`` requests shaped like ``requests`` in turn, their prompts drawn
+    anew from ``rng`` (see ``warmup_specs``)."""
     specs = []
     for i in range(count):
         src = requests[i % len(requests)]
@@ -953,9 +958,15 @@ def run_sweep(
     summary, as a record holds them."""
     values = sorted(set(values))
     points = []
-    for value in values:
+    for i, value in enumerate(values):
         print(f"== {SWEEP_NAMES[over]} {value}", file=sys.stderr)
         point_config = replace(config, **{over: value})
+        if i:
+            # Prompts of the same lengths drawn anew: the earlier points' would
+            # be in the server's prefix cache, and their TTFT a cache hit's.
+            rng = random.Random(f"sweep-{config.seed}-{i}")
+            fresh = redrawn(config.requests, len(config.requests), rng)
+            point_config = replace(point_config, requests=fresh)
         _, measured = measure(point_config, slo, processes)
         verdict = slo_verdict(measured, slo)
         point = {

@@ -734,6 +734,27 @@ def test_a_sweep_stops_after_the_first_point_that_breaks(monkeypatch: pytest.Mon
     assert sweep["summary"]["first_broken"]["value"] == 4.0
 
 
+def test_later_sweep_points_send_fresh_prompts_of_the_same_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt an earlier point sent would be a prefix-cache hit."""
+    seen: list[list[bench.RequestSpec]] = []
+
+    def fake_benchmark(config: bench.BenchConfig) -> bench.BenchmarkResult:
+        seen.append(list(config.requests))
+        return bench.BenchmarkResult([done(0.01, 0.01) for _ in config.requests], duration=1.0)
+
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    reqs = [bench.RequestSpec(list(range(10 + i, 40 + i)), 30, 5) for i in range(6)]
+    cfg = bench.BenchConfig("http://x", "m", reqs)
+    bench.run_sweep(cfg, "max_concurrency", [4, 1, 2], {"ttft": 1000.0})
+    assert len(seen) == 3 and seen[0] == reqs  # the first point: the dataset's own
+    prompts = {tuple(r.prompt) for point in seen for r in point}
+    assert len(prompts) == 18, "a prompt was sent at two points"
+    for point in seen[1:]:
+        assert [(len(r.prompt), r.prompt_len, r.output_len) for r in point] == [(30, 30, 5)] * 6
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -1003,3 +1024,11 @@ def test_warmup_requests_are_shaped_like_the_measured_ones_but_share_no_prefix()
         else:
             assert len(w.prompt.split()) == len(src.prompt.split())
             assert all(w.prompt.split()[:16] != str(m.prompt).split()[:16] for m in measured)
+
+
+def test_compare_pd_refuses_a_sweep_before_starting_anything() -> None:
+    sweep = ["--slo", "ttft=500", "--sweep-max-concurrency", "1", "2"]
+    cmd = [sys.executable, "-m", "benchmarks.compare_pd", "--dummy-preset", "llama-3.1-8b", "--"]
+    proc = subprocess.run([*cmd, *sweep], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no --sweep-* flags" in proc.stderr
