@@ -24,6 +24,7 @@ from engine.config import EngineConfig, resolve_device
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
+from engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from engine.runner import ModelRunner
 from engine.sampling import SamplingBatch
 from protocol.sampling import SamplingParams
@@ -122,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="largest decode batch run as a CUDA graph; 0 disables (default: auto)",
     )
+    ap.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: e4m3 attention and MLP weights (default: as the checkpoint is)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
+    )
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     ap.add_argument(
@@ -218,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         attention_backend=args.attention_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     mc = ModelConfig.load(model, cfg.torch_dtype)
     cfg = cfg.resolve(mc)
@@ -225,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = ModelRunner(cfg, mc)
     load_s = time.perf_counter() - t0
 
+    runner_quantization = runner.model_config.quantization
     rows = [bench_one(runner, b, args) for b in args.batch_sizes]
     print(
         f"model={model} dtype={mc.dtype} device={args.device} backend={cfg.attention_backend} "
@@ -263,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         "attention_backend": cfg.attention_backend,
         "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
         "page_size": cfg.page_size,
+        "quantization": runner_quantization,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         "results": rows,
         "hf_transformers": hf_row,
     }
