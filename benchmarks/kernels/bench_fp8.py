@@ -1,0 +1,121 @@
+"""FP8 products (``engine.layers.fp8``) against bf16 at a model's shapes, on CUDA.
+
+    python -m benchmarks.kernels.bench_fp8 --model llama-3.1-8b --rows 1 8 64 256 1024 8192
+
+For each projection of the model's decoder layer (QKV, o, gate/up, down) and
+each row count M, an ``[M, K]`` bf16 input is multiplied by enough copies of a
+random ``[N, K]`` weight that L2 holds none of them, inside a CUDA graph, timed
+with CUDA events:
+
+- ``bf16``: ``engine.layers.gemv.linear`` (the GEMV and few-row kernels where
+  they apply, cuBLAS otherwise), the product a bf16 model runs;
+- ``fp8``: ``engine.layers.fp8.linear``: the input quantized per token, then
+  the FP8 product (``torch._scaled_mm`` with row-wise scales);
+- ``fp8_mm``: ``torch._scaled_mm`` alone on an already quantized input (what
+  the activation quantization costs is the difference).
+
+Floors: bytes moved (the weight, 2 or 1 byte per element, plus input and
+output) at 4.3 TB/s and the FLOPs at the dense tensor-core rate (989 TFLOP/s
+bf16, 1979 FP8); the larger of the two. Each FP8 result is checked against a
+float64 product of the quantized operands. Writes a JSON record to
+``--output-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine, write_record
+from benchmarks.kernels.bench_gemv import L2_BYTES, graph_us, rel_err, shapes
+from engine.layers import fp8, gemv
+from engine.presets import PRESETS
+
+HBM_BYTES_PER_S = 4.3e12
+"""What the H200's memory reaches (4.8 TB/s specified)."""
+TENSOR_FLOPS = {"bf16": 989e12, "fp8": 1979e12}
+"""H100/H200 SXM dense tensor-core rates as specified."""
+
+
+def floor_us(m: int, n: int, k: int, weight_bytes_per: int, kind: str) -> float:
+    moved = n * k * weight_bytes_per + m * k * 2 + m * n * 2
+    return max(moved / HBM_BYTES_PER_S, 2 * m * n * k / TENSOR_FLOPS[kind]) * 1e6
+
+
+def bench_case(name: str, n: int, k: int, m: int, reps: int) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    copies = max(2, int(L2_BYTES // (n * k * 2)))
+    ws = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        for _ in range(copies)
+    ]
+    qs = [fp8.quantize_rows(w) for w in ws]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    xq, sx = fp8.quantize_rows(x)
+    w0 = fp8.dequantize_rows(*qs[0]).double()
+    ref = fp8.dequantize_rows(xq, sx).double() @ w0.t()
+    row: dict[str, Any] = {"name": name, "rows": m, "n": n, "k": k}
+    row["bf16_us"] = graph_us([lambda w=w: gemv.linear(x, w) for w in ws], reps)
+    row["bf16_floor_us"] = floor_us(m, n, k, 2, "bf16")
+    row["fp8_fits_scaled_mm"] = fp8.scaled_mm_fits(xq, qs[0][0], x.dtype)
+    row["fp8_us"] = graph_us([lambda q=q, s=s: fp8.linear(x, q, s) for q, s in qs], reps)
+    row["fp8_rel_err"] = rel_err(fp8.linear(x, *qs[0]), ref)
+    if row["fp8_fits_scaled_mm"]:
+        sa = sx[:, None].contiguous()
+        rowwise = [(q, s[None, :].contiguous()) for q, s in qs]
+
+        def mm(q: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+            return torch._scaled_mm(xq, q.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype)
+
+        row["fp8_mm_us"] = graph_us([lambda q=q, sb=sb: mm(q, sb) for q, sb in rowwise], reps)
+    row["fp8_floor_us"] = floor_us(m, n, k, 1, "fp8")
+    row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels.bench_fp8",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama-3.1-8b")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 8192])
+    p.add_argument("--reps", type=int, default=20, help="timed graph replays per case")
+    p.add_argument("--output-file", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8 needs a CUDA device")
+    layer = {k: v for k, v in shapes(args.model).items() if k != "lm_head"}
+    rows = [
+        bench_case(name, n, k, m, args.reps) for m in args.rows for name, (n, k) in layer.items()
+    ]
+    print(
+        f"{'proj':>8} {'rows':>5} {'bf16 us':>8} {'floor':>7} {'fp8 us':>8} {'mm us':>7} "
+        f"{'floor':>7} {'x':>5} {'rel err':>8}"
+    )
+    for r in rows:
+        mm = f"{r['fp8_mm_us']:>7.1f}" if "fp8_mm_us" in r else f"{'-':>7}"
+        print(
+            f"{r['name']:>8} {r['rows']:>5} {r['bf16_us']:>8.1f} {r['bf16_floor_us']:>7.1f} "
+            f"{r['fp8_us']:>8.1f} {mm} {r['fp8_floor_us']:>7.1f} {r['fp8_speedup']:>5.2f} "
+            f"{r['fp8_rel_err']:>8.1e}"
+        )
+    write_record(
+        "benchmarks.kernels.bench_fp8",
+        argv,
+        {"model": args.model, "rows": rows},
+        args.output_file,
+        f"fp8-{args.model}",
+        machine(),
+    )
+
+
+if __name__ == "__main__":
+    main()
