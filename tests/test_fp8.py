@@ -164,6 +164,12 @@ def _quantized_checkpoint(src: Path, dst: Path, per_tensor: bool) -> dict[str, t
                 out[name] = (t.float() / scale).clamp(-448, 448).to(fp8.E4M3)
                 out[f"{base}.weight_scale"] = scale
                 out[f"{base}.input_scale"] = torch.tensor(0.05)
+                if name.endswith(".k_proj.weight"):  # KV scales, as FP8-KV checkpoints carry
+                    attn = name[: -len(".k_proj.weight")]
+                    out[f"{attn}.k_scale"], out[f"{attn}.v_scale"] = (
+                        torch.tensor(0.1),
+                        torch.tensor(0.2),
+                    )
             else:
                 q, scale = fp8.quantize_rows(t)
                 out[name], out[f"{base}.weight_scale"] = q, scale[:, None]

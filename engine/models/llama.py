@@ -124,6 +124,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
 
+STATIC_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".q_scale")
+"""Calibrated activation and KV scales of FP8 checkpoints, not read:
+activations are scaled per token (``engine.layers.fp8``) and e4m3 KV pages
+hold values as they are (its exponent covers K and V's range)."""
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our fused parameter fragment, shard name)
     stacked_params = {
@@ -189,8 +195,8 @@ class LlamaForCausalLM(nn.Module):
             weights = moe.checkpoint_tensors(weights)
 
         def targets(name: str) -> tuple[str, Any] | None:
-            if "rotary_emb.inv_freq" in name or name.endswith(".input_scale"):
-                return None  # activations are scaled per token (engine.layers.fp8)
+            if "rotary_emb.inv_freq" in name or name.endswith(STATIC_SCALES):
+                return None
             if name == "lm_head.weight" and self.lm_head is None:
                 return None  # tied checkpoints may still store a copy
             expert = moe.expert_target(name)
