@@ -1,0 +1,105 @@
+"""On CUDA: FP8 products (the few-row kernel and ``torch._scaled_mm``) against
+float64 products of the quantized operands, an FP8 model's decode replayed
+from CUDA graphs against its eager forward, and an FP8 KV pool on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.layers import fp8, fp8_gemv
+from engine.model_config import ModelConfig
+from engine.runner import ModelRunner
+
+pytestmark = pytest.mark.gpu
+
+MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 1024])
+def test_products_match_float64_of_the_quantized_operands(rows: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    q, s = fp8.quantize_rows(torch.randn(6144, 4096, device="cuda", generator=g) * 0.02)
+    assert (fp8_gemv.fits(x, q) is not None) == (rows <= fp8_gemv.MAX_ROWS)
+    got = fp8.linear(x, q, s)
+    xq, sx = fp8.quantize_rows(x)
+    ref = fp8.dequantize_rows(xq, sx).double() @ fp8.dequantize_rows(q, s).double().t()
+    # bf16 output (2^-9 of each value); an operand rounded the other way at a tie.
+    err = (got.double() - ref).abs()
+    assert err.max().item() < 1e-2 * ref.abs().max().item()
+    assert (err.norm() / ref.norm()).item() < 4e-3
+
+
+def _runner(graph_bs: int, **kw: str) -> ModelRunner:
+    mc = ModelConfig.from_dict(MODEL, dtype=torch.bfloat16)
+    cfg = EngineConfig(
+        model="fp8-test",
+        load_format="dummy",
+        device="cuda:0",
+        page_size=16,
+        num_pages=600,
+        max_running_requests=256,
+        cuda_graph_max_bs=graph_bs,
+        **kw,
+    ).resolve(mc)
+    return ModelRunner(cfg, mc)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 64])
+def test_fp8_weights_decode_graph_equals_eager(batch_size: int) -> None:
+    runner = _runner(64, quantization="fp8")
+    assert runner.graphs is not None and runner.model_config.fp8
+    runner.pool.kv.normal_()
+    gen = torch.Generator().manual_seed(batch_size)
+    specs = []
+    for i in range(batch_size):
+        ctx = 8 + (37 * i) % 60
+        pages = runner.pool.allocator.alloc(-(-(ctx + 1) // 16))
+        assert pages is not None
+        specs.append(ExtendSpec([int(torch.randint(3, 1000, (1,), generator=gen))], ctx, pages))
+    batch = build_forward_batch(specs, 16, "cuda:0")
+    assert runner.graphs.can_run(batch)
+    with torch.inference_mode():
+        graph_logits = runner.forward_logits(batch).clone()
+        runner.attn.begin_forward(batch)
+        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
+        eager_logits = runner.model.compute_logits(hidden[batch.logits_indices])
+    scale = eager_logits.abs().max().item()
+    assert (graph_logits - eager_logits).abs().max().item() < 0.01 * scale
+    assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
+
+
+def test_fp8_kv_pool_on_the_gpu() -> None:
+    """FP8 pages on CUDA (the torch attention reads them, without graphs):
+    logits near the bf16 pool's."""
+    runner = _runner(0, kv_cache_dtype="fp8_e4m3")
+    assert runner.pool.kv.dtype == torch.float8_e4m3fn
+    assert runner.config.attention_backend == "torch_native"
+    ref_runner = _runner(0, attention_backend="torch_native")
+    ids = [
+        int(i) for i in torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0))
+    ]
+    out = []
+    for r in (runner, ref_runner):
+        pages = r.pool.allocator.alloc(3)
+        assert pages is not None
+        batch = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 16, "cuda:0")
+        with torch.inference_mode():
+            out.append(r.forward_logits(batch).float())
+    rel = ((out[0] - out[1]).norm() / out[1].norm()).item()
+    assert 0 < rel < 0.1, rel

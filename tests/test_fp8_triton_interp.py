@@ -1,0 +1,99 @@
+"""The FP8 few-row kernel (``engine.layers.fp8_gemv``) under Triton's
+interpreter (no GPU needed) against float64 products of the operands it
+quantizes, and against ``engine.layers.fp8.linear``'s numbers.
+
+The interpreter must be chosen before triton is first imported, so these run
+in a child process started with ``TRITON_INTERPRET=1``
+(``test_kernel_under_the_interpreter``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.layers import fp8
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+interpreted = pytest.mark.skipif(
+    not INTERPRETED, reason="run in a child process by test_kernel_under_the_interpreter"
+)
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="the parent process runs this")
+def test_kernel_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+def _exact_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """fp16 rows whose quantization is exact: e4m3 values, each row's largest
+    448, times a power of two. (The interpreter's float-to-e4m3 conversion
+    mis-rounds some values that round up to a power of two, e.g. 125.4 to 64;
+    the GPU's conversion instruction does not, so these tests keep rounding
+    out and check everything else.)"""
+    xq = (torch.randn(rows, k, generator=g) * 100).clamp(-448, 448).to(fp8.E4M3).float()
+    xq[:, 0] = 448.0
+    scale = 2.0 ** torch.arange(-6, -6 + 3 * rows, 3, dtype=torch.float32)[:rows]
+    return (xq * scale[:, None]).to(torch.float16)
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_rows_match_float64_of_the_quantized_operands(rows: int, bias: bool) -> None:
+    from engine.layers import fp8_gemv
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 32, 256
+    x = _exact_rows(rows, k, g)  # rows of different magnitudes, each scaled on its own
+    q, s = fp8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    b = torch.randn(n, generator=g).to(torch.float16) if bias else None
+    t = fp8_gemv.Tiles(block_n=4, block_k=64, warps=4)  # 4 k tiles: the loops run
+    got = fp8_gemv.run(x, q, s, b, t)
+    xq, sx = fp8.quantize_rows(x)
+    assert torch.equal(fp8.dequantize_rows(xq, sx), x.float())  # exact, as intended
+    ref = x.double() @ fp8.dequantize_rows(q, s).double().t()
+    if b is not None:
+        ref = ref + b.double()
+    assert got.shape == (rows, n) and got.dtype == x.dtype
+    # fp16 output rounding (2^-11 of each value; the bias add once more).
+    torch.testing.assert_close(got.double(), ref, rtol=2e-3, atol=1e-3 * ref.abs().max().item())
+    # The same numbers as the general path (quantize, then the product).
+    general = fp8.linear(x.float(), q, s, None if b is None else b.float())
+    torch.testing.assert_close(got.float(), general, rtol=2e-3, atol=1e-3 * ref.abs().max().item())
+
+
+@interpreted
+def test_rows_of_zeros_and_the_saturating_element() -> None:
+    from engine.layers import fp8_gemv
+
+    x = torch.zeros(2, 128, dtype=torch.float16)
+    x[1, 5] = 300.0  # the row's amax: maps to 448 exactly
+    q, s = fp8.quantize_rows(torch.ones(16, 128))
+    got = fp8_gemv.run(x, q, s, None, fp8_gemv.Tiles(2, 128, 4))
+    assert torch.equal(got[0], torch.zeros(16, dtype=torch.float16))
+    torch.testing.assert_close(got[1].float(), torch.full((16,), 300.0), rtol=1e-3, atol=0)
+
+
+def test_what_takes_the_kernel() -> None:
+    from engine.layers import fp8_gemv
+
+    q = torch.zeros(4096, 4096, dtype=fp8.E4M3)
+    x = torch.zeros(2, 4096, dtype=torch.bfloat16)
+    assert fp8_gemv.fits(x, q) == fp8_gemv.Tiles(1, 2048, 8)
+    assert fp8_gemv.fits(torch.zeros(5, 4096, dtype=torch.bfloat16), q) is None  # too many rows
+    assert fp8_gemv.fits(x.float(), q) is None  # float32 input: the general path
+    assert fp8_gemv.fits(x, q.float()) is None  # not an FP8 weight
+    big = torch.zeros(28672, 4096, dtype=fp8.E4M3)
+    assert fp8_gemv.fits(x, big) == fp8_gemv.Tiles(4, 1024, 4)
