@@ -291,8 +291,7 @@ class EngineConfig:
         if backend == "auto":
             from engine.attention.flashinfer import flashinfer_usable
 
-            # FP8 pages are read by the torch attention only, so far.
-            usable = kv_dtype == m.dtype and flashinfer_usable(device, m.dtype, m.head_dim)
+            usable = flashinfer_usable(device, m.dtype, m.head_dim)
             backend = "flashinfer" if usable else "torch_native"
         graph_bs = self.cuda_graph_max_bs
         if graph_bs is None:

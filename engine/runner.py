@@ -206,7 +206,11 @@ class ModelRunner:
 
     def _attention(self, pool: KVPool, config: EngineConfig) -> AttentionBackend:
         return get_attention_backend(config.attention_backend)(
-            pool, self.num_heads, self.num_kv_heads, self.model_config.head_dim
+            pool,
+            self.num_heads,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+            q_dtype=self.model_config.dtype,
         )
 
     def _memory_plan(

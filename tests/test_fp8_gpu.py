@@ -1,6 +1,7 @@
 """On CUDA: FP8 products (the few-row kernel and ``torch._scaled_mm``) against
 float64 products of the quantized operands, an FP8 model's decode replayed
-from CUDA graphs against its eager forward, and an FP8 KV pool on the GPU."""
+from CUDA graphs against its eager forward, and FP8 KV pages through
+FlashInfer against the torch attention on the same pages."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.layers import fp8, fp8_gemv
+from engine.layers.linear import any_linear
 from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
@@ -36,7 +38,7 @@ def test_products_match_float64_of_the_quantized_operands(rows: int) -> None:
     x = torch.randn(rows, 4096, device="cuda", generator=g).to(torch.bfloat16)
     q, s = fp8.quantize_rows(torch.randn(6144, 4096, device="cuda", generator=g) * 0.02)
     assert (fp8_gemv.fits(x, q) is not None) == (rows <= fp8_gemv.MAX_ROWS)
-    got = fp8.linear(x, q, s)
+    got = any_linear(x, q, None, s)  # what a projection runs
     xq, sx = fp8.quantize_rows(x)
     ref = fp8.dequantize_rows(xq, sx).double() @ fp8.dequantize_rows(q, s).double().t()
     # bf16 output (2^-9 of each value); an operand rounded the other way at a tie.
@@ -45,8 +47,8 @@ def test_products_match_float64_of_the_quantized_operands(rows: int) -> None:
     assert (err.norm() / ref.norm()).item() < 4e-3
 
 
-def _runner(graph_bs: int, **kw: str) -> ModelRunner:
-    mc = ModelConfig.from_dict(MODEL, dtype=torch.bfloat16)
+def _runner(graph_bs: int, kv_heads: int = 1, **kw: str) -> ModelRunner:
+    mc = ModelConfig.from_dict({**MODEL, "num_key_value_heads": kv_heads}, dtype=torch.bfloat16)
     cfg = EngineConfig(
         model="fp8-test",
         load_format="dummy",
@@ -84,16 +86,59 @@ def test_fp8_weights_decode_graph_equals_eager(batch_size: int) -> None:
     assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
 
 
-def test_fp8_kv_pool_on_the_gpu() -> None:
-    """FP8 pages on CUDA (the torch attention reads them, without graphs):
-    logits near the bf16 pool's."""
-    runner = _runner(0, kv_cache_dtype="fp8_e4m3")
+def _decode_specs(runner: ModelRunner, batch_size: int) -> list[ExtendSpec]:
+    gen = torch.Generator().manual_seed(batch_size)
+    specs = []
+    for i in range(batch_size):
+        ctx = 8 + (37 * i) % 60
+        pages = runner.pool.allocator.alloc(-(-(ctx + 1) // 16))
+        assert pages is not None
+        specs.append(ExtendSpec([int(torch.randint(3, 1000, (1,), generator=gen))], ctx, pages))
+    return specs
+
+
+def _eager(runner: ModelRunner, attn: object, batch: object) -> torch.Tensor:
+    attn.begin_forward(batch)
+    hidden = runner.model(batch.input_ids, batch.positions, attn)
+    return runner.model.compute_logits(hidden[batch.logits_indices])
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])  # tensor-core decode, CUDA-core decode
+def test_fp8_kv_with_flashinfer_against_the_torch_attention(kv_heads: int) -> None:
+    """FP8 pages through FlashInfer's kernels (prefill, decode, a decode
+    graph) against the torch attention reading the same pages."""
+    from engine.attention.torch_native import TorchNativeAttention
+
+    runner = _runner(64, kv_heads, kv_cache_dtype="fp8_e4m3")
     assert runner.pool.kv.dtype == torch.float8_e4m3fn
-    assert runner.config.attention_backend == "torch_native"
-    ref_runner = _runner(0, attention_backend="torch_native")
-    ids = [
-        int(i) for i in torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0))
-    ]
+    assert runner.config.attention_backend == "flashinfer" and runner.graphs is not None
+    torch_attn = TorchNativeAttention(
+        runner.pool, runner.num_heads, runner.num_kv_heads, 128, q_dtype=torch.bfloat16
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = [int(i) for i in torch.randint(3, 1000, (40,), generator=gen)]
+    pages = runner.pool.allocator.alloc(3)
+    assert pages is not None
+    prefill = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 16, "cuda:0")
+    with torch.inference_mode():
+        fi = runner.forward_logits(prefill).float()
+        ref = _eager(runner, torch_attn, prefill).float()
+        assert ((fi - ref).norm() / ref.norm()).item() < 2e-2
+        runner.pool.kv.copy_(
+            (torch.randn_like(runner.pool.kv, dtype=torch.float32) * 2).to(torch.float8_e4m3fn)
+        )
+        batch = build_forward_batch(_decode_specs(runner, 3), 16, "cuda:0")
+        graph = runner.forward_logits(batch).float().clone()
+        eager = _eager(runner, runner.attn, batch).float()
+        ref = _eager(runner, torch_attn, batch).float()
+    assert (graph - eager).abs().max().item() < 0.01 * eager.abs().max().item()
+    assert ((eager - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_fp8_kv_stays_near_bf16_kv_on_the_gpu() -> None:
+    runner, ref_runner = _runner(0, kv_cache_dtype="fp8_e4m3"), _runner(0)
+    gen = torch.Generator().manual_seed(0)
+    ids = [int(i) for i in torch.randint(3, 1000, (40,), generator=gen)]
     out = []
     for r in (runner, ref_runner):
         pages = r.pool.allocator.alloc(3)

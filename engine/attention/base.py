@@ -18,12 +18,21 @@ class AttentionBackend(ABC):
     the new tokens themselves. Decode is the case ``extend_len == 1``.
     """
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_dtype: torch.dtype | None = None,
+    ) -> None:
+        """``q_dtype``: the queries' (the model's) dtype; None: the pool's."""
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.q_dtype = q_dtype or pool.kv.dtype
 
     @abstractmethod
     def begin_forward(self, batch: ForwardBatch) -> None:

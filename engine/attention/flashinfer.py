@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
-from engine.kvcache.pool import KVPool
+from engine.kvcache.pool import KV_FP8, KVPool
 
 WORKSPACE_BYTES = 256 << 20
 """Scratch of the kernels (split-KV partial results); shared by every wrapper,
@@ -125,8 +125,15 @@ class _PlanSlot:
 
 
 class FlashInferAttention(AttentionBackend):
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+    def __init__(
+        self,
+        pool: KVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, q_dtype)
         try:
             import flashinfer
             import flashinfer.page
@@ -137,11 +144,12 @@ class FlashInferAttention(AttentionBackend):
             ) from e
         if pool.kv.device.type != "cuda":
             raise RuntimeError("attention_backend 'flashinfer' runs on CUDA devices only")
-        if pool.kv.dtype not in KERNEL_DTYPES:
+        if self.q_dtype not in KERNEL_DTYPES or pool.kv.dtype not in (self.q_dtype, KV_FP8):
             raise RuntimeError(
-                f"attention_backend 'flashinfer' needs a bfloat16 or float16 KV cache, "
-                f"not {pool.kv.dtype}"
+                f"attention_backend 'flashinfer' needs bfloat16 or float16 queries and a KV "
+                f"cache of their dtype or e4m3, not {self.q_dtype} and {pool.kv.dtype}"
             )
+        self._fp8_kv = pool.kv.dtype == KV_FP8
         self._workspace = torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=pool.kv.device
         ).zero_()
@@ -189,8 +197,8 @@ class FlashInferAttention(AttentionBackend):
             self.head_dim,
             self.pool.page_size,
         ]
-        dtype = self.pool.kv.dtype
-        return args, {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": self.scale}
+        kwargs = {"q_data_type": self.q_dtype, "kv_data_type": self.pool.kv.dtype}
+        return args, {**kwargs, "sm_scale": self.scale}
 
     def _take_slot(self, slot: int | None = None) -> _PlanSlot:
         if self._current is not None:
@@ -271,6 +279,8 @@ class FlashInferAttention(AttentionBackend):
         ix = self._append
         assert ix is not None, "begin_forward must come first"
         cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
+        if self._fp8_kv:  # the append kernel copies rows of the cache's dtype
+            k, v = self.pool.stored(k), self.pool.stored(v)
         self._append_kv(
             k, v, ix.batch_indices, ix.positions, cache, ix.indices, ix.indptr, ix.last_page_len
         )

@@ -46,18 +46,11 @@ def linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for the FP8 weight ``(q, scale)``, ``x`` quantized
-    per token; the result in ``x``'s dtype. On CUDA a few rows take
-    ``engine.layers.fp8_gemv``'s one kernel; otherwise ``torch._scaled_mm``
-    (cuBLASLt's FP8 tensor-core GEMM on Hopper, its own kernel on the CPU)
-    where it takes the shapes and dtype, else ``reference_product``."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.is_cuda:
-        from engine.layers import fp8_gemv
-
-        t = fp8_gemv.fits(x2, q)
-        if t is not None:  # a few rows: quantized inside the one kernel
-            return fp8_gemv.run(x2, q, scale, bias, t).reshape(*x.shape[:-1], q.shape[0])
-    xq, sx = quantize_rows(x2)
+    per token; the result in ``x``'s dtype. ``torch._scaled_mm`` (cuBLASLt's
+    FP8 tensor-core GEMM on Hopper, its own kernel on the CPU) where it takes
+    the shapes and dtype, else ``reference_product``. (On CUDA a few rows take
+    ``engine.layers.fp8_gemv`` instead: ``engine.layers.linear.any_linear``.)"""
+    xq, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
     if scaled_mm_fits(xq, q, x.dtype):
         y = torch._scaled_mm(
             xq,

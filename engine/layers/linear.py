@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.layers import fp8 as fp8_math
+from engine.layers import fp8_gemv
 from engine.layers.gemv import linear, silu_mul_linear
 
 
@@ -65,7 +66,7 @@ class Linear(nn.Linear):
         """``self(silu_and_mul(gate_up))``, fused where the GEMV kernel applies."""
         assert self.bias is None
         if self.weight_scale is not None:
-            return fp8_math.linear(silu_and_mul(gate_up), self.weight, self.weight_scale)
+            return any_linear(silu_and_mul(gate_up), self.weight, None, self.weight_scale)
         return silu_mul_linear(gate_up, self.weight, silu_and_mul)
 
 
@@ -75,7 +76,12 @@ def any_linear(
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``linear``, or the FP8 product where the weight has a scale."""
-    if weight_scale is not None:
-        return fp8_math.linear(x, weight, weight_scale, bias)
-    return linear(x, weight, bias)
+    """``linear``, or the FP8 product where the weight has a scale: on CUDA,
+    a few rows in ``fp8_gemv``'s one kernel, else ``fp8.linear``."""
+    if weight_scale is None:
+        return linear(x, weight, bias)
+    if x.is_cuda and x.dim() == 2:
+        t = fp8_gemv.fits(x, weight)
+        if t is not None:
+            return fp8_gemv.run(x, weight, weight_scale, bias, t)
+    return fp8_math.linear(x, weight, weight_scale, bias)
