@@ -91,9 +91,13 @@ def test_what_takes_the_kernel() -> None:
 
     q = torch.zeros(4096, 4096, dtype=fp8.E4M3)
     x = torch.zeros(2, 4096, dtype=torch.bfloat16)
-    assert fp8_gemv.fits(x, q) == fp8_gemv.Tiles(1, 2048, 8)
+    assert fp8_gemv.fits(x[:1], q) == fp8_gemv.Tiles(1, 2048, 8)
+    assert fp8_gemv.fits(x, q) == fp8_gemv.Tiles(1, 1024, 8)  # 2 rows: half the k tile
     assert fp8_gemv.fits(torch.zeros(5, 4096, dtype=torch.bfloat16), q) is None  # too many rows
     assert fp8_gemv.fits(x.float(), q) is None  # float32 input: the general path
     assert fp8_gemv.fits(x, q.float()) is None  # not an FP8 weight
     big = torch.zeros(28672, 4096, dtype=fp8.E4M3)
-    assert fp8_gemv.fits(x, big) == fp8_gemv.Tiles(4, 1024, 4)
+    assert fp8_gemv.fits(x, big) == fp8_gemv.Tiles(4, 512, 4)
+    assert fp8_gemv.fits(torch.zeros(3, 4096, dtype=torch.bfloat16), big) == fp8_gemv.Tiles(
+        4, 256, 4
+    )

@@ -31,10 +31,12 @@ class Tiles(NamedTuple):
     warps: int
 
 
-def tiles(n: int, k: int) -> Tiles | None:
-    """Tiles for an ``[n, k]`` weight, or None where they do not divide it.
-    (The bf16 GEMV's choice for the same shapes, at half the bytes per row.)"""
+def tiles(n: int, k: int, rows: int = 1) -> Tiles | None:
+    """Tiles for an ``[n, k]`` weight and ``rows`` input rows, or None where
+    they do not divide it. (The bf16 GEMV's choice for the same shapes, the k
+    tile shortened as rows are added: the accumulator holds rows x n x k.)"""
     block_n, block_k, warps = (1, 2048, 8) if n * k <= 8192 * 4096 else (4, 1024, 4)
+    block_k = max(128, block_k // (1 << (rows - 1).bit_length()))
     while block_k > 128 and k % block_k:
         block_k //= 2
     if n % block_n or k % block_k:
@@ -96,7 +98,7 @@ def fits(x: torch.Tensor, q: torch.Tensor) -> Tiles | None:
         return None
     if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != E4M3 or not q.is_contiguous():
         return None
-    return tiles(q.shape[0], q.shape[1])
+    return tiles(q.shape[0], q.shape[1], x.shape[0])
 
 
 def run(
