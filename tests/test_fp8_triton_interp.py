@@ -38,12 +38,12 @@ def test_kernel_under_the_interpreter() -> None:
 
 def _exact_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
     """fp16 rows whose quantization is exact: e4m3 values, each row's largest
-    448, times a power of two. (The interpreter's float-to-e4m3 conversion
+    magnitude 448 (negative in every other row), times a power of two. (The interpreter's float-to-e4m3 conversion
     mis-rounds some values that round up to a power of two, e.g. 125.4 to 64;
     the GPU's conversion instruction does not, so these tests keep rounding
     out and check everything else.)"""
-    xq = (torch.randn(rows, k, generator=g) * 100).clamp(-448, 448).to(fp8.E4M3).float()
-    xq[:, 0] = 448.0
+    xq = (torch.randn(rows, k, generator=g) * 100).clamp(-440, 440).to(fp8.E4M3).float()
+    xq[:, 0] = 448.0 * (-1.0) ** torch.arange(rows)  # the largest magnitude: + or -
     scale = 2.0 ** torch.arange(-6, -6 + 3 * rows, 3, dtype=torch.float32)[:rows]
     return (xq * scale[:, None]).to(torch.float16)
 
@@ -101,3 +101,18 @@ def test_what_takes_the_kernel() -> None:
     assert fp8_gemv.fits(torch.zeros(3, 4096, dtype=torch.bfloat16), big) == fp8_gemv.Tiles(
         4, 256, 4
     )
+
+
+@interpreted
+@pytest.mark.parametrize(("rows", "k", "block_k"), [(3, 256, 64), (2, 200, 64), (1, 96, 1024)])
+def test_the_quantization_kernel_gives_torchs_numbers(rows: int, k: int, block_k: int) -> None:
+    """Scales and e4m3 values equal ``fp8.quantize_rows``'s; K not a multiple
+    of the tile (200) masks the last one; an all-zero row gets zeros."""
+    from engine.layers import fp8_quant
+
+    x = _exact_rows(rows, k, torch.Generator().manual_seed(k))
+    x[-1] = 0 if rows > 1 else x[-1]
+    q, s = fp8_quant.quantize_rows(x, block_k)
+    want_q, want_s = fp8.quantize_rows(x)
+    assert q.dtype == fp8.E4M3 and torch.equal(s, want_s)
+    assert torch.equal(q.float(), want_q.float())

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import torch
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-TINY = 1e-12
-"""Floor of a scale, so an all-zero row or token quantizes to zeros."""
+from engine.layers import fp8_quant
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q e4m3 [N, K], scale float32 [N])`` of ``w`` ``[N, K]``, one scale per row."""
     w32 = w.float()
-    scale = (w32.abs().amax(dim=-1) / E4M3_MAX).clamp_min(TINY)
+    scale = (w32.abs().amax(dim=-1) / E4M3_MAX).clamp_min(SCALE_FLOOR)
     q = (w32 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
 
@@ -50,7 +48,9 @@ def linear(
     FP8 tensor-core GEMM on Hopper, its own kernel on the CPU) where it takes
     the shapes and dtype, else ``reference_product``. (On CUDA a few rows take
     ``engine.layers.fp8_gemv`` instead: ``engine.layers.linear.any_linear``.)"""
-    xq, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+    x2 = x.reshape(-1, x.shape[-1])
+    # On CUDA in one kernel (fp8_quant), elsewhere in torch ops: the same numbers.
+    xq, sx = fp8_quant.quantize_rows(x2) if x2.is_cuda else quantize_rows(x2)
     if scaled_mm_fits(xq, q, x.dtype):
         y = torch._scaled_mm(
             xq,

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.layers.fp8 import E4M3, E4M3_MAX, TINY
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR
 
 MAX_ROWS = 4
 """Rows this kernel takes; more go to ``torch._scaled_mm``."""
@@ -117,7 +117,7 @@ def run(
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _kernel()[(n // t.block_n,)](
         x, q, scale, scale if bias is None else bias, out, n, k, x.stride(0), out.stride(0),
-        ROWS=rows, FP8_MAX=E4M3_MAX, SCALE_FLOOR=TINY, HAS_BIAS=bias is not None,
+        ROWS=rows, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR, HAS_BIAS=bias is not None,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         num_warps=t.warps,
     )  # fmt: skip
