@@ -9,32 +9,16 @@ in a child process started with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interp import interpreted, parent_only, run_interpreted
 
 from engine.layers.moe import experts_reference, route
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-interpreted = pytest.mark.skipif(
-    not INTERPRETED, reason="run in a child process by test_kernels_under_the_interpreter"
-)
 
-
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="the parent process runs this")
+@parent_only
 def test_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
+    run_interpreted(__file__, timeout_s=900)
 
 
 def _case(n: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):

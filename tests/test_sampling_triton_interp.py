@@ -9,34 +9,19 @@ tiles, and take both the candidate path and the whole-row search."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interp import INTERPRETED, interpreted, parent_only, run_interpreted
 
 from engine.sampling import SamplingBatch, sample_torch
 from protocol.sampling import SamplingParams
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # log(min_p 0)
-interpreted = pytest.mark.skipif(
-    not INTERPRETED, reason="run in a child process by test_kernels_under_the_interpreter"
-)
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="the parent process runs this")
+@parent_only
 def test_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
+    run_interpreted(__file__, timeout_s=900)
 
 
 if INTERPRETED:
