@@ -21,6 +21,8 @@ static activation scale) is not used: activations are always scaled per token.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from engine.layers import fp8_quant
@@ -73,8 +75,15 @@ def scaled_mm_fits(xq: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> boo
     if q.shape[0] % 16 or q.shape[1] % 16:
         return False
     if xq.is_cuda:
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(xq.device) >= (8, 9)
+        return dtype == torch.bfloat16 and _fp8_tensor_cores(xq.device.index)
     return dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+@cache
+def _fp8_tensor_cores(device_index: int | None) -> bool:
+    """Whether the GPU has FP8 tensor cores (sm 8.9+); asked once per device,
+    not on every product."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def reference_product(
@@ -85,13 +94,17 @@ def reference_product(
     return (xq.float() @ q.float().t()) * sx.float()[:, None] * scale.float()[None, :]
 
 
-def fp8_parameters(module: torch.nn.Module, out_features: int, in_features: int) -> None:
-    """Give ``module`` an e4m3 ``weight`` ``[out, in]`` and its float32
-    ``weight_scale`` ``[out]`` in place of a full-precision weight."""
-    device = module.weight.device if getattr(module, "weight", None) is not None else None
+def weight_format(module: torch.nn.Module, fp8: bool) -> None:
+    """Set ``module.weight_scale``: None for its full-precision ``weight``; with
+    ``fp8``, an e4m3 ``weight`` of the same shape in place of that one and its
+    float32 scale per output row."""
+    if not fp8:
+        module.register_parameter("weight_scale", None)
+        return
+    w = module.weight
     module.weight = torch.nn.Parameter(
-        torch.empty(out_features, in_features, dtype=E4M3, device=device), requires_grad=False
+        torch.empty(w.shape, dtype=E4M3, device=w.device), requires_grad=False
     )
     module.weight_scale = torch.nn.Parameter(
-        torch.ones(out_features, dtype=torch.float32, device=device), requires_grad=False
+        torch.ones(w.shape[0], dtype=torch.float32, device=w.device), requires_grad=False
     )

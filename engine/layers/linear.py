@@ -30,9 +30,7 @@ class MergedLinear(nn.Module):
         out = sum(shards.values())
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.zeros(out)) if bias else None
-        self.register_parameter("weight_scale", None)
-        if fp8:
-            fp8_math.fp8_parameters(self, out, in_features)
+        fp8_math.weight_format(self, fp8)
 
     def shard_slice(self, name: str) -> slice:
         start = 0
@@ -53,9 +51,7 @@ class Linear(nn.Linear):
         self, in_features: int, out_features: int, bias: bool = True, fp8: bool = False
     ) -> None:
         super().__init__(in_features, out_features, bias)
-        self.register_parameter("weight_scale", None)
-        if fp8:
-            fp8_math.fp8_parameters(self, out_features, in_features)
+        fp8_math.weight_format(self, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return any_linear(x, self.weight, self.bias, self.weight_scale)

@@ -54,9 +54,7 @@ class RowParallelLinear(nn.Module):
         self.cols = cols
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, cols[1] - cols[0]))
-        self.register_parameter("weight_scale", None)
-        if fp8:
-            fp8_math.fp8_parameters(self, out_features, cols[1] - cols[0])
+        fp8_math.weight_format(self, fp8)
 
     def select_shard(self, param: str, shard: str | None, tensor: torch.Tensor) -> torch.Tensor:
         if param == "weight_scale":  # one per output row: every rank needs all
