@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs, eager_logits
 
 from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -67,40 +68,8 @@ def test_fp8_weights_decode_graph_equals_eager(batch_size: int) -> None:
     runner = _runner(64, quantization="fp8")
     assert runner.graphs is not None and runner.model_config.fp8
     runner.pool.kv.normal_()
-    gen = torch.Generator().manual_seed(batch_size)
-    specs = []
-    for i in range(batch_size):
-        ctx = 8 + (37 * i) % 60
-        pages = runner.pool.allocator.alloc(-(-(ctx + 1) // 16))
-        assert pages is not None
-        specs.append(ExtendSpec([int(torch.randint(3, 1000, (1,), generator=gen))], ctx, pages))
-    batch = build_forward_batch(specs, 16, "cuda:0")
-    assert runner.graphs.can_run(batch)
-    with torch.inference_mode():
-        graph_logits = runner.forward_logits(batch).clone()
-        runner.attn.begin_forward(batch)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
-        eager_logits = runner.model.compute_logits(hidden[batch.logits_indices])
-    scale = eager_logits.abs().max().item()
-    assert (graph_logits - eager_logits).abs().max().item() < 0.01 * scale
-    assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
-
-
-def _decode_specs(runner: ModelRunner, batch_size: int) -> list[ExtendSpec]:
-    gen = torch.Generator().manual_seed(batch_size)
-    specs = []
-    for i in range(batch_size):
-        ctx = 8 + (37 * i) % 60
-        pages = runner.pool.allocator.alloc(-(-(ctx + 1) // 16))
-        assert pages is not None
-        specs.append(ExtendSpec([int(torch.randint(3, 1000, (1,), generator=gen))], ctx, pages))
-    return specs
-
-
-def _eager(runner: ModelRunner, attn: object, batch: object) -> torch.Tensor:
-    attn.begin_forward(batch)
-    hidden = runner.model(batch.input_ids, batch.positions, attn)
-    return runner.model.compute_logits(hidden[batch.logits_indices])
+    batch = build_forward_batch(decode_specs(runner, batch_size), PAGE_SIZE, "cuda:0")
+    assert_graph_equals_eager(runner, batch)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])  # tensor-core decode, CUDA-core decode
@@ -122,16 +91,15 @@ def test_fp8_kv_with_flashinfer_against_the_torch_attention(kv_heads: int) -> No
     prefill = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 16, "cuda:0")
     with torch.inference_mode():
         fi = runner.forward_logits(prefill).float()
-        ref = _eager(runner, torch_attn, prefill).float()
+        ref = eager_logits(runner, torch_attn, prefill).float()
         assert ((fi - ref).norm() / ref.norm()).item() < 2e-2
         runner.pool.kv.copy_(
             (torch.randn_like(runner.pool.kv, dtype=torch.float32) * 2).to(torch.float8_e4m3fn)
         )
-        batch = build_forward_batch(_decode_specs(runner, 3), 16, "cuda:0")
-        graph = runner.forward_logits(batch).float().clone()
-        eager = _eager(runner, runner.attn, batch).float()
-        ref = _eager(runner, torch_attn, batch).float()
-    assert (graph - eager).abs().max().item() < 0.01 * eager.abs().max().item()
+    batch = build_forward_batch(decode_specs(runner, 3), PAGE_SIZE, "cuda:0")
+    eager = assert_graph_equals_eager(runner, batch).float()
+    with torch.inference_mode():
+        ref = eager_logits(runner, torch_attn, batch).float()
     assert ((eager - ref).norm() / ref.norm()).item() < 2e-2
 
 

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs
 from workers import launch_gateway, log_tail
 
 from engine.config import EngineConfig
@@ -190,23 +191,8 @@ def test_cuda_graph_decode_equals_eager(batch_size: int, kv_heads: int) -> None:
     runner = _kernel_runner("flashinfer", graph_bs=256, num_pages=1200, kv_heads=kv_heads)
     assert runner.graphs is not None and 256 in runner.graphs.sizes
     runner.pool.kv.normal_()
-    ps, gen = 16, torch.Generator().manual_seed(batch_size)
-    specs = []
-    for i in range(batch_size):
-        ctx = 8 + (37 * i) % 60
-        pages = runner.pool.allocator.alloc(-(-(ctx + 1) // ps))
-        assert pages is not None
-        specs.append(ExtendSpec([int(torch.randint(3, 1000, (1,), generator=gen))], ctx, pages))
-    batch = build_forward_batch(specs, ps, "cuda:0")
-    assert runner.graphs.can_run(batch)
-    with torch.inference_mode():
-        graph_logits = runner.forward_logits(batch).clone()
-        runner.attn.begin_forward(batch)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
-        eager_logits = runner.model.compute_logits(hidden[batch.logits_indices])
-    scale = eager_logits.abs().max().item()
-    assert (graph_logits - eager_logits).abs().max().item() < 0.01 * scale
-    assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
+    batch = build_forward_batch(decode_specs(runner, batch_size), PAGE_SIZE, "cuda:0")
+    assert_graph_equals_eager(runner, batch)
 
 
 def test_cuda_graph_decode_with_shared_prefix_pages_beyond_the_pool() -> None:
@@ -228,15 +214,7 @@ def test_cuda_graph_decode_with_shared_prefix_pages_beyond_the_pool() -> None:
         specs.append(ExtendSpec([token], ctx, shared + own))
     batch = build_forward_batch(specs, ps, "cuda:0")
     assert sum(len(t) for t in batch.page_tables) > runner.pool.allocator.num_pages + 64
-    assert runner.graphs.can_run(batch)
-    with torch.inference_mode():
-        graph_logits = runner.forward_logits(batch).clone()
-        runner.attn.begin_forward(batch)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
-        eager_logits = runner.model.compute_logits(hidden[batch.logits_indices])
-    scale = eager_logits.abs().max().item()
-    assert (graph_logits - eager_logits).abs().max().item() < 0.01 * scale
-    assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
+    assert_graph_equals_eager(runner, batch)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])

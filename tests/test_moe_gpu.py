@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs, eager_logits
 
 from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -172,29 +173,11 @@ def test_moe_cuda_graph_decode_equals_eager(batch_size: int) -> None:
     runner = _runner(graph_bs=256)
     assert runner.graphs is not None and 256 in runner.graphs.sizes
     runner.pool.kv.normal_()
-    ps, gen = 16, torch.Generator().manual_seed(batch_size)
-    specs = []
-    for i in range(batch_size):
-        ctx = 8 + (37 * i) % 60
-        pages = runner.pool.allocator.alloc(-(-(ctx + 1) // ps))
-        assert pages is not None
-        specs.append(ExtendSpec([int(torch.randint(3, 1000, (1,), generator=gen))], ctx, pages))
-    batch = build_forward_batch(specs, ps, "cuda:0")
-    assert runner.graphs.can_run(batch)
-
-    def eager() -> torch.Tensor:
-        runner.attn.begin_forward(batch)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
-        return runner.model.compute_logits(hidden[batch.logits_indices])
-
-    with torch.inference_mode():
-        graph_logits = runner.forward_logits(batch).clone()
-        eager_logits = eager()
-        with reference_experts():
-            ref_logits = eager()
-    scale = ref_logits.abs().max().item()
-    assert (graph_logits - eager_logits).abs().max().item() < 0.01 * scale
-    assert graph_logits.argmax(-1).tolist() == eager_logits.argmax(-1).tolist()
-    assert (eager_logits - ref_logits).abs().max().item() < 0.05 * scale
-    agree = (eager_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    batch = build_forward_batch(decode_specs(runner, batch_size), PAGE_SIZE, "cuda:0")
+    eager = assert_graph_equals_eager(runner, batch)
+    with torch.inference_mode(), reference_experts():
+        ref = eager_logits(runner, runner.attn, batch)
+    scale = ref.abs().max().item()
+    assert (eager - ref).abs().max().item() < 0.05 * scale
+    agree = (eager.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.95
