@@ -271,20 +271,18 @@ def test_dummy_fp8_weights_have_the_dummy_spread(model_dir) -> None:
     assert torch.isfinite(_logits(runner, _prompt())).all()
 
 
-class RankContextView:
-    """The lead runner seen as a rank's context (``_rank_params`` reads ``.runner``)."""
-
-    def __init__(self, runner: object) -> None:
-        self.runner = runner
-
-
-def _rank_params(ctx: RankContext | RankContextView) -> dict[str, torch.Tensor]:
-    """A rank's FP8 weights dequantized (run on the rank by ``LeadRunner.call``)."""
+def _fp8_weights(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    """A runner's FP8 weights, dequantized, by module name."""
     out = {}
-    for name, mod in ctx.runner.model.named_modules():
+    for name, mod in runner.model.named_modules():
         if getattr(mod, "weight_scale", None) is not None:
             out[name] = fp8.dequantize_rows(mod.weight, mod.weight_scale)
     return out
+
+
+def _rank_fp8_weights(ctx: RankContext) -> dict[str, torch.Tensor]:
+    """``_fp8_weights`` of a rank (run on the rank by ``LeadRunner.call``)."""
+    return _fp8_weights(ctx.runner)
 
 
 def test_tp2_ranks_hold_their_part_of_an_fp8_checkpoint(model_dir, tmp_path) -> None:
@@ -296,8 +294,8 @@ def test_tp2_ranks_hold_their_part_of_an_fp8_checkpoint(model_dir, tmp_path) -> 
     group = make_runner(cfg.resolve(mc), mc)
     assert isinstance(group, LeadRunner)
     try:
-        full = _rank_params(RankContextView(one))
-        ranks = [_rank_params(RankContextView(group)), group.call(1, _rank_params)]
+        full = _fp8_weights(one)
+        ranks = [_fp8_weights(group), group.call(1, _rank_fp8_weights)]
         q_size, kv_size = mc.q_size // 2, mc.kv_size // 2
         for rank, params in enumerate(ranks):
             # Column-parallel rows and row-parallel columns of the one-device
