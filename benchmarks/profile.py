@@ -53,6 +53,7 @@ from benchmarks.common import machine, write_record
 from engine.config import EngineConfig
 from engine.engine import Engine, InFlight
 from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from engine.runner import ModelRunner
 from engine.sampling import SamplingBatch, sample
 from protocol.sampling import SamplingParams
@@ -68,7 +69,18 @@ CATEGORIES = {
         "gemv_gate_up",
         "gemv_down",
     ),
-    "gemm": ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas", "splitk"),
+    "gemm": (
+        "gemm",
+        "gemv",
+        "nvjet",
+        "cutlass",
+        "sm90_xmma",
+        "cublas",
+        "splitk",
+        "skinny",
+        "fp8_rows",
+    ),
+    "fp8 quant": ("quantize_rows",),
     "attention": ("batchdecode", "batchprefill", "attention", "mergestate", "variablelength"),
     "norm/rope/act/kv": ("norm", "rope", "rotary", "silu", "act_and_mul", "append", "paged_kv"),
 }
@@ -101,12 +113,24 @@ def make_engine(args: argparse.Namespace) -> Engine:
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             max_running_requests=args.max_running_requests or max(256, *args.batch_sizes),
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             **({"dtype": args.dtype} if args.dtype else {}),
             **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         )
     )
-    engine.runner.pool.kv.normal_()  # timing on zeros can flatter the kernels
+    fill_normal(engine.runner.pool.kv)  # timing on zeros can flatter the kernels
     return engine
+
+
+def fill_normal(kv: torch.Tensor) -> None:
+    """Standard normal values in the KV pool, a slice at a time (an e4m3 pool
+    has no ``normal_``: each slice is drawn in float16 and copied)."""
+    if kv.dtype.itemsize > 1:
+        kv.normal_()
+        return
+    for part in kv.view(-1).split(1 << 28):
+        part.copy_(torch.randn(part.shape, dtype=torch.float16, device=part.device))
 
 
 # -- step: one decode step taken apart --------------------------------------------------
@@ -267,6 +291,8 @@ def run_step(args: argparse.Namespace, argv: list[str] | None) -> None:
         "model": args.model,
         "attention_backend": cfg.attention_backend,
         "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
+        "quantization": cfg.quantization,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         "results": rows,
     }
     stem = f"profile-step-{Path(args.model).name}"
@@ -421,7 +447,12 @@ def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
         results[b] = row
         brief = {k: v for k, v in row.items() if k not in ("top_gaps", "replay_top_kernels")}
         print(b, json.dumps(brief), flush=True)
-    body = {"model": args.model, "results": results}
+    body = {
+        "model": args.model,
+        "quantization": engine.config.quantization,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
+        "results": results,
+    }
     stem = f"profile-loop-{Path(args.model).name}"
     write_record(TOOL, argv, body, args.output_file, stem, machine(args.device))
 
@@ -481,6 +512,18 @@ def build_parser() -> argparse.ArgumentParser:
             type=int,
             default=None,
             help="engine setting (bounds auto graph sizes; default: 256 or the largest batch)",
+        )
+        p.add_argument(
+            "--quantization",
+            choices=QUANTIZATIONS,
+            default=None,
+            help="fp8: e4m3 attention and MLP weights (default: as the checkpoint is)",
+        )
+        p.add_argument(
+            "--kv-cache-dtype",
+            choices=KV_CACHE_DTYPES,
+            default="auto",
+            help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
         )
         p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
     step.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")

@@ -9,16 +9,20 @@ with CUDA events:
 
 - ``bf16``: ``engine.layers.gemv.linear`` (the GEMV and few-row kernels where
   they apply, cuBLAS otherwise), the product a bf16 model runs;
-- ``fp8``: ``engine.layers.fp8.linear``: the input quantized per token, then
-  the FP8 product (``torch._scaled_mm`` with row-wise scales);
+- ``fp8``: ``engine.layers.linear.any_linear``, the product an FP8 model runs:
+  up to ``fp8_skinny.MAX_ROWS`` rows the one Triton kernel that quantizes the
+  rows and feeds the e4m3 weight to the tensor cores
+  (``engine.layers.fp8_skinny``), more rows the
+  input quantized per token, then ``torch._scaled_mm`` with row-wise scales;
 - ``fp8_mm``: ``torch._scaled_mm`` alone on an already quantized input (what
   the activation quantization costs is the difference).
 
 Floors: bytes moved (the weight, 2 or 1 byte per element, plus input and
 output) at 4.3 TB/s and the FLOPs at the dense tensor-core rate (989 TFLOP/s
 bf16, 1979 FP8); the larger of the two. Each FP8 result is checked against a
-float64 product of the quantized operands. Writes a JSON record to
-``--output-file``.
+float64 product of the quantized operands. ``--sweep`` also times the few-row
+kernel over a grid of tiles at every row count it takes, and records the best.
+Writes a JSON record to ``--output-file``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_gemv import L2_BYTES, graph_us, rel_err, shapes
-from engine.layers import fp8, gemv
+from engine.layers import fp8, fp8_skinny, gemv
+from engine.layers.linear import any_linear
 from engine.presets import PRESETS
 
 HBM_BYTES_PER_S = 4.3e12
@@ -44,7 +49,7 @@ def floor_us(m: int, n: int, k: int, weight_bytes_per: int, kind: str) -> float:
     return max(moved / HBM_BYTES_PER_S, 2 * m * n * k / TENSOR_FLOPS[kind]) * 1e6
 
 
-def bench_case(name: str, n: int, k: int, m: int, reps: int) -> dict[str, Any]:
+def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     copies = max(2, int(L2_BYTES // (n * k * 2)))
     ws = [
@@ -60,8 +65,8 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int) -> dict[str, Any]:
     row["bf16_us"] = graph_us([lambda w=w: gemv.linear(x, w) for w in ws], reps)
     row["bf16_floor_us"] = floor_us(m, n, k, 2, "bf16")
     row["fp8_fits_scaled_mm"] = fp8.scaled_mm_fits(xq, qs[0][0], x.dtype)
-    row["fp8_us"] = graph_us([lambda q=q, s=s: fp8.linear(x, q, s) for q, s in qs], reps)
-    row["fp8_rel_err"] = rel_err(fp8.linear(x, *qs[0]), ref)
+    row["fp8_us"] = graph_us([lambda q=q, s=s: any_linear(x, q, None, s) for q, s in qs], reps)
+    row["fp8_rel_err"] = rel_err(any_linear(x, qs[0][0], None, qs[0][1]), ref)
     if row["fp8_fits_scaled_mm"]:
         sa = sx[:, None].contiguous()
         rowwise = [(q, s[None, :].contiguous()) for q, s in qs]
@@ -72,7 +77,42 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int) -> dict[str, Any]:
         row["fp8_mm_us"] = graph_us([lambda q=q, sb=sb: mm(q, sb) for q, sb in rowwise], reps)
     row["fp8_floor_us"] = floor_us(m, n, k, 1, "fp8")
     row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
+    if sweep and m <= fp8_skinny.MAX_ROWS:
+        row["skinny_sweep"] = sweep_skinny(x, qs, reps, ref)
+        row["skinny_best"] = min(
+            (r for r in row["skinny_sweep"] if "us" in r), key=lambda r: r["us"]
+        )
     return row
+
+
+def sweep_skinny(
+    x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]], reps: int, ref: torch.Tensor
+) -> list[dict[str, Any]]:
+    """``fp8_skinny.run`` over ``SWEEP_SKINNY`` (the tiles that apply to the
+    shape), each result checked."""
+    n, k = qs[0][0].shape
+    out = []
+    for t in SWEEP_SKINNY:
+        if not fp8_skinny.applies(t, n, k):
+            continue
+        try:
+            err = rel_err(fp8_skinny.run(x, qs[0][0], qs[0][1], None, t), ref)
+        except Exception as e:  # a tile the compiler refuses (registers, shared memory)
+            out.append({**t._asdict(), "error": repr(e)[:200]})
+            continue
+        us = graph_us([lambda q=q, s=s, t=t: fp8_skinny.run(x, q, s, None, t) for q, s in qs], reps)
+        out.append({**t._asdict(), "us": us, "rel_err": err})
+    return out
+
+
+SWEEP_SKINNY = [
+    fp8_skinny.Tiles(bn, bk, sk, 4, 4, unroll)
+    for bn in (64, 128)
+    for bk in (128, 256, 512)
+    for sk in (1, 2, 4)
+    for unroll in (True, False)
+]
+"""Tiles of the few-row FP8 kernel tried by ``--sweep``."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-3.1-8b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 8192])
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per case")
+    p.add_argument("--sweep", action="store_true", help="also sweep the few-row kernel's tiles")
     p.add_argument("--output-file", default=None)
     return p
 
@@ -94,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_fp8 needs a CUDA device")
     layer = {k: v for k, v in shapes(args.model).items() if k != "lm_head"}
     rows = [
-        bench_case(name, n, k, m, args.reps) for m in args.rows for name, (n, k) in layer.items()
+        bench_case(name, n, k, m, args.reps, args.sweep)
+        for m in args.rows
+        for name, (n, k) in layer.items()
     ]
     print(
         f"{'proj':>8} {'rows':>5} {'bf16 us':>8} {'floor':>7} {'fp8 us':>8} {'mm us':>7} "
@@ -107,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['fp8_us']:>8.1f} {mm} {r['fp8_floor_us']:>7.1f} {r['fp8_speedup']:>5.2f} "
             f"{r['fp8_rel_err']:>8.1e}"
         )
+        if "skinny_best" in r:
+            b = r["skinny_best"]
+            print(
+                f"{'':>14} best few-row tiles {tuple(b[f] for f in fp8_skinny.Tiles._fields)}: "
+                f"{b['us']:.1f} us"
+            )
     write_record(
         "benchmarks.kernels.bench_fp8",
         argv,

@@ -49,7 +49,7 @@ def linear(
     per token; the result in ``x``'s dtype. ``torch._scaled_mm`` (cuBLASLt's
     FP8 tensor-core GEMM on Hopper, its own kernel on the CPU) where it takes
     the shapes and dtype, else ``reference_product``. (On CUDA a few rows take
-    ``engine.layers.fp8_gemv`` instead: ``engine.layers.linear.any_linear``.)"""
+    ``engine.layers.fp8_skinny`` instead: ``engine.layers.linear.any_linear``.)"""
     x2 = x.reshape(-1, x.shape[-1])
     # On CUDA in one kernel (fp8_quant), elsewhere in torch ops: the same numbers.
     xq, sx = fp8_quant.quantize_rows(x2) if x2.is_cuda else quantize_rows(x2)

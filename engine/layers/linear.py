@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.layers import fp8 as fp8_math
-from engine.layers import fp8_gemv
+from engine.layers import fp8_skinny
 from engine.layers.gemv import linear, silu_mul_linear
 
 
@@ -73,11 +73,11 @@ def any_linear(
     weight_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """``linear``, or the FP8 product where the weight has a scale: on CUDA,
-    a few rows in ``fp8_gemv``'s one kernel, else ``fp8.linear``."""
+    a few rows in ``fp8_skinny``'s one kernel, else ``fp8.linear``."""
     if weight_scale is None:
         return linear(x, weight, bias)
     if x.is_cuda and x.dim() == 2:
-        t = fp8_gemv.fits(x, weight)
+        t = fp8_skinny.fits(x, weight)
         if t is not None:
-            return fp8_gemv.run(x, weight, weight_scale, bias, t)
+            return fp8_skinny.run(x, weight, weight_scale, bias, t)
     return fp8_math.linear(x, weight, weight_scale, bias)

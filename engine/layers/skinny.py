@@ -134,7 +134,7 @@ def _kernel() -> Any:
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _scratch_of(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def scratch_of(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's partials and arrival counters. One set serves every product:
     the engine runs its forwards on one stream, so no two split products are in
     flight at once, and each leaves its counters at zero."""
@@ -165,7 +165,7 @@ def run_skinny(
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    parts, counts = _scratch_of(x.device) if t.split_k > 1 else (out, out)
+    parts, counts = scratch_of(x.device) if t.split_k > 1 else (out, out)
     _kernel()[(n // t.block_n, t.split_k)](
         x, weight, weight if bias is None else bias, out, parts, counts, m, n, k, x.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,

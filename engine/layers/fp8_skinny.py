@@ -1,0 +1,173 @@
+"""FP8 products of a few rows (small-batch decode) on the FP8 tensor cores.
+
+At 1 to ``MAX_ROWS`` rows a product is bound by the weight's bytes, which e4m3
+halves, but only a kernel that never widens the weight reaches that: turning
+each e4m3 byte into a float on the CUDA cores costs more than reading it. Here
+the tensor cores take the e4m3 weight as it is stored, with the operands
+swapped as ``engine.layers.skinny`` does for bf16: ``out.T = Q @ xq.T``, the
+matrix units' wide side over the weight's output rows (``BLOCK_N``), the
+narrow one over the input rows (padded to ``BLOCK_M`` = 16). Each program
+quantizes the input rows itself (their amax over all of K, then
+``round_e4m3(x / sx)``, as ``engine.layers.fp8.quantize_rows`` does), so a
+product is one kernel:
+
+    y[m, n] = sx[m] * s[n] * sum_k round_e4m3(x[m, k] / sx[m]) * Q[n, k]
+
+the same numbers as ``engine.layers.fp8.linear`` up to the order of the sum.
+Outputs with few row tiles and a long K may also be split over K, the partials
+added by the last split to arrive (``engine.layers.skinny``'s scheme and its
+scratch).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, NamedTuple
+
+import torch
+
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR
+from engine.layers.skinny import MAX_ROW_TILES, PARTIAL_BYTES, scratch_of
+
+MAX_ROWS = 16
+"""Rows this kernel takes; more go to ``torch._scaled_mm``."""
+BLOCK_M = 16
+"""The input-row tile: the matrix instructions' narrowest operand."""
+
+
+class Tiles(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
+    unroll_scale: bool = True
+    """The scale pass unrolled over K (its loads in flight together)."""
+
+
+def tiles(n: int, k: int) -> Tiles | None:
+    """The tiles for an ``[n, k]`` e4m3 weight, or None where they do not fit.
+    (The best of a sweep on an H200 over Llama-3.1-8B's shapes: weights of 4096
+    rows or fewer split over K twice, the wide gate/up in taller, shorter tiles.)"""
+    if n >= 16384:
+        t = Tiles(128, 128, 1, 4, 4)
+    elif n <= 4096:
+        t = Tiles(64, 512, 2, 4, 4)
+    else:
+        t = Tiles(64, 512, 1, 4, 4)
+    for c in (t, t._replace(split_k=1)):  # a shorter k tile, then no split, where K needs it
+        while c.block_k > 128 and not applies(c, n, k):
+            c = c._replace(block_k=c.block_k // 2)
+        if applies(c, n, k):
+            return c
+    return None
+
+
+def applies(t: Tiles, n: int, k: int) -> bool:
+    """Whether ``t`` tiles an ``[n, k]`` weight: whole tiles and, when split,
+    partials and counters within the device's scratch."""
+    if n % t.block_n or k % (t.block_k * t.split_k):
+        return False
+    return t.split_k == 1 or (
+        t.split_k * n * BLOCK_M * 4 <= PARTIAL_BYTES and n // t.block_n <= MAX_ROW_TILES
+    )
+
+
+@cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_skinny(x, w, w_scale, bias, out, part, count, M, N, stride_x, K: tl.constexpr,
+                   FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, UNROLL_SCALE: tl.constexpr):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ms = tl.arange(0, BLOCK_M)
+        m_ok = ms < M
+        kk = tl.arange(0, BLOCK_K)
+        # Each input row's scale, over all of K (every split quantizes alike):
+        # its largest magnitude mapped to 448. Padding rows load as zeros.
+        # Unrolled (K is a compile-time constant) the loads are independent
+        # and in flight together: one memory latency, not one per tile of K.
+        xs = x + ms[None, :] * stride_x + kk[:, None]
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if UNROLL_SCALE:
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                xa = tl.load(xs + k0, mask=m_ok[None, :], other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=0))
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                xa = tl.load(xs + k0, mask=m_ok[None, :], other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=0))
+        sx = tl.maximum(amax / FP8_MAX, SCALE_FLOOR)
+        k_len = K // SPLIT_K
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
+            wv = tl.load(w + n[:, None] * K + (k0 + kk)[None, :])
+            xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
+            xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+            acc = tl.dot(wv, xq, acc)
+        scale = tl.load(w_scale + n)[:, None] * sx[None, :]
+        out_ptrs = out + ms[None, :] * N + n[:, None]
+        if SPLIT_K == 1:
+            y = acc * scale
+            if HAS_BIAS:
+                y += tl.load(bias + n).to(tl.float32)[:, None]
+            tl.store(out_ptrs, y.to(out.dtype.element_ty), mask=m_ok[None, :])
+        else:
+            # engine.layers.skinny's protocol: partials as [split, N, BLOCK_M],
+            # the barrier before the (release) count, the last arrival reads
+            # them from L2 and leaves the counter at zero.
+            parts = part + n[:, None] * BLOCK_M + ms[None, :]
+            tl.store(parts + pid_k * N * BLOCK_M, acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(parts + s * N * BLOCK_M, cache_modifier=".cg")
+                y = total * scale
+                if HAS_BIAS:
+                    y += tl.load(bias + n).to(tl.float32)[:, None]
+                tl.store(out_ptrs, y.to(out.dtype.element_ty), mask=m_ok[None, :])
+                tl.atomic_xchg(count + pid_n, 0)
+
+    return fp8_skinny
+
+
+def fits(x: torch.Tensor, q: torch.Tensor) -> Tiles | None:
+    """The tiles for ``x`` ``[M, K]`` (``M <= MAX_ROWS``, contiguous rows,
+    half precision) against the e4m3 weight ``q``, or None."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
+        return None
+    if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != E4M3 or not q.is_contiguous():
+        return None
+    if q.shape[1] != x.shape[1]:
+        return None
+    return tiles(q.shape[0], q.shape[1])
+
+
+def run(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    t: Tiles,
+) -> torch.Tensor:
+    """The kernel on ``x`` ``[M, K]`` (any device Triton runs on)."""
+    m, k = x.shape
+    n = q.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    parts, counts = scratch_of(x.device) if t.split_k > 1 else (out, out)
+    _kernel()[(n // t.block_n, t.split_k)](
+        x, q, scale, scale if bias is None else bias, out, parts, counts, m, n, x.stride(0), k,
+        FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR, HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
+        UNROLL_SCALE=t.unroll_scale,
+        num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+    return out
