@@ -17,6 +17,8 @@ uses can be set from a measurement::
         fa2:auto:NHD fa2:none:NHD fa3:auto:NHD cuda-core:auto:NHD fa2:auto:HND
     python -m benchmarks.kernels.bench_attention --batch-sizes 256 --pool-layers 32 \\
         --between-gemm 28672 4096     # the calls between compute-bound products
+    python -m benchmarks.kernels.bench_attention --kv-dtype fp8_e4m3 --batch-sizes 64 256 \\
+        --variants fa2:auto:NHD cuda-core:auto:NHD fa2:none:NHD   # e4m3 pages, bf16 queries
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import torch
 from benchmarks.common import machine, write_record
 
 KERNELS = ("cuda-core", "fa2", "fa3")
+Q_DTYPE = torch.bfloat16
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 LAYOUTS = ("NHD", "HND")
 
 
@@ -112,14 +116,14 @@ def time_kernel(
         args.num_kv_heads,
         args.head_dim,
         ps,
-        q_data_type=kv.dtype,
+        q_data_type=Q_DTYPE,
         kv_data_type=kv.dtype,
         **split,
     )
     # The engine's q is a view into the fused QKV projection's output: its rows
     # are (query + 2 x KV heads) x head_dim apart.
     qkv_heads = args.num_heads + 2 * args.num_kv_heads if args.q_in_qkv else args.num_heads
-    qkv = torch.randn(batch_size, qkv_heads, args.head_dim, dtype=kv.dtype, device=device)
+    qkv = torch.randn(batch_size, qkv_heads, args.head_dim, dtype=Q_DTYPE, device=device)
     q = qkv[:, : args.num_heads]
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     caches = []
@@ -137,8 +141,8 @@ def time_kernel(
         # as the decode graph runs them (the tensor cores busy in between).
         n, k = args.between_gemm
         gemm = (
-            torch.randn(batch_size, k, dtype=kv.dtype, device=device),
-            torch.randn(n, k, dtype=kv.dtype, device=device) * 0.02,
+            torch.randn(batch_size, k, dtype=Q_DTYPE, device=device),
+            torch.randn(n, k, dtype=Q_DTYPE, device=device) * 0.02,
         )
 
     def step() -> None:
@@ -236,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run between the decode graph's attention calls, and time the attention "
         "kernels alone from a profile (e.g. 28672 4096: Llama-3.1-8B's gate/up)",
     )
+    ap.add_argument(
+        "--kv-dtype",
+        choices=sorted(KV_DTYPES),
+        default="bfloat16",
+        help="the pages' dtype; queries stay bf16, as the engine's "
+        "--kv-cache-dtype fp8_e4m3 runs them (default: %(default)s)",
+    )
     ap.add_argument("--reps", type=int, default=20, help="timed replays (default: 20)")
     ap.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
     return ap
@@ -256,9 +267,10 @@ def main(argv: list[str] | None = None) -> None:
         args.page_size,
         args.num_kv_heads,
         args.head_dim,
-        dtype=torch.bfloat16,
+        dtype=Q_DTYPE,
         device=device,
     ).normal_()
+    kv = kv.to(KV_DTYPES[args.kv_dtype])  # e4m3: the same values, rounded
     token_bytes = 2 * args.num_kv_heads * args.head_dim * kv.element_size() * args.layers
     rows = []
     print(f"{'batch':>6} {'context':>8} {'variant':>22} {'ms':>8} {'KV TB/s':>8}")
