@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from fp8_checkpoint import CHANNEL_CONFIG, quantized_checkpoint
 
 from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -22,25 +21,6 @@ from engine.model_config import ModelConfig, ModelConfigError
 from engine.parallel.follower import RankContext
 from engine.parallel.ranks import LeadRunner, make_runner
 from engine.runner import ModelRunner
-
-QUANTIZED = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")  # fmt: skip
-CHANNEL_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "float-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-            "input_activations": {
-                "num_bits": 8,
-                "type": "float",
-                "strategy": "token",
-                "dynamic": True,
-            },  # fmt: skip
-        }
-    },
-    "ignore": ["lm_head"],
-}
 
 
 def test_rows_use_the_whole_range_and_round_to_e4m3() -> None:
@@ -149,46 +129,9 @@ def test_the_fp8_model_is_the_full_model_on_quantized_operands(hf_checkpoint) ->
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def _quantized_checkpoint(src: Path, dst: Path, per_tensor: bool) -> dict[str, torch.Tensor]:
-    """``src`` rewritten as an FP8 checkpoint: the projections in e4m3 with
-    ``weight_scale`` per channel ``[N, 1]`` (or one per tensor, with a static
-    ``input_scale`` beside it), the rest as it was. Returns the stored tensors."""
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.endswith(".weight") and any(f in name for f in QUANTIZED):
-            base = name[: -len(".weight")]
-            if per_tensor:
-                scale = (t.float().abs().amax() / fp8.E4M3_MAX).reshape(())
-                out[name] = (t.float() / scale).clamp(-448, 448).to(fp8.E4M3)
-                out[f"{base}.weight_scale"] = scale
-                out[f"{base}.input_scale"] = torch.tensor(0.05)
-                if name.endswith(".k_proj.weight"):  # KV scales, as FP8-KV checkpoints carry
-                    attn = name[: -len(".k_proj.weight")]
-                    out[f"{attn}.k_scale"], out[f"{attn}.v_scale"] = (
-                        torch.tensor(0.1),
-                        torch.tensor(0.2),
-                    )
-            else:
-                q, scale = fp8.quantize_rows(t)
-                out[name], out[f"{base}.weight_scale"] = q, scale[:, None]
-        else:
-            out[name] = t
-    for f in dst.glob("*.safetensors"):
-        f.unlink()
-    save_file(out, str(dst / "model.safetensors"))
-    cfg = json.loads((dst / "config.json").read_text())
-    qc = json.loads(json.dumps(CHANNEL_CONFIG))
-    if per_tensor:
-        qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
-    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
-    return out
-
-
 def test_a_per_channel_checkpoint_loads_as_online_quantization(model_dir, tmp_path) -> None:
     ckpt = tmp_path / "fp8-channel"
-    _quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
+    quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
     assert ModelConfig.load(ckpt).quantization == "fp8"
     stored = _runner(ckpt)  # no flag: the checkpoint says FP8
     online = _runner(model_dir, "fp8")
@@ -203,7 +146,7 @@ def test_a_per_channel_checkpoint_loads_as_online_quantization(model_dir, tmp_pa
 
 def test_a_per_tensor_checkpoint_gives_every_row_the_tensor_scale(model_dir, tmp_path) -> None:
     ckpt = tmp_path / "fp8-tensor"
-    stored = _quantized_checkpoint(Path(model_dir), ckpt, per_tensor=True)
+    stored = quantized_checkpoint(Path(model_dir), ckpt, per_tensor=True)
     runner = _runner(ckpt)
     layer = runner.model.model.layers[1]
     pre = "model.layers.1."
@@ -287,7 +230,7 @@ def _rank_fp8_weights(ctx: RankContext) -> dict[str, torch.Tensor]:
 
 def test_tp2_ranks_hold_their_part_of_an_fp8_checkpoint(model_dir, tmp_path) -> None:
     ckpt = tmp_path / "fp8-tp"
-    _quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
+    quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
     mc = ModelConfig.load(ckpt)
     cfg = EngineConfig(model=str(ckpt), device="cpu", page_size=4, num_pages=64, tp_size=2)
     one = _runner(ckpt)
