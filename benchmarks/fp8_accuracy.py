@@ -13,7 +13,9 @@ engine always does. Reported for each decoder layer: the relative error
 ``||x - x_ref|| / ||x_ref||`` of the residual stream after it, over all the
 prompt's positions; for the logits: the relative error, the fraction of
 positions whose top token agrees with the full-precision model's, and the
-mean KL divergence from it. Prints a table and writes a JSON record.
+mean KL divergence from it. Also recorded: the norm of each full-precision
+layer's stream (what the errors are relative to). Prints a table and writes a
+JSON record.
 """
 
 from __future__ import annotations
@@ -153,7 +155,11 @@ def measure(model: str, device: str, dtype: str, prompt_len: int, seed: int) -> 
     ids = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
     ref = run(full, ids)
     quant = make_runner(model, device, dtype, prompt_len, fp8_weights=True)
-    out: dict[str, Any] = {"dtype": str(full.model_config.dtype), "prompt_len": prompt_len}
+    out: dict[str, Any] = {
+        "dtype": str(full.model_config.dtype),
+        "prompt_len": prompt_len,
+        "ref_stream_norms": [x.double().norm().item() for x in ref[0]],
+    }
     for scale in SCALES:
         out["projections"] = load_fp8_from(quant, full, scale)
         out[scale] = compare(ref, run(quant, ids))
