@@ -1,0 +1,224 @@
+"""Every Triton kernel the engine launches on CUDA, compiled for the H200's
+architecture (sm_90) on the CPU, with the arguments the engine's own launch
+code passes at real model shapes (Llama-3.1-8B, Qwen3-30B-A3B).
+
+CI has no GPU, and Triton's interpreter (the kernel tests' CPU path) runs a
+kernel's Python, not its compiler: a kernel the compiler refuses (a
+loop-carried value that changes type, a shape it cannot lay out) or that needs
+more shared memory than an SM has would otherwise fail first on the GPU.
+Nothing runs here: each launch is caught (``JITFunction.run``) and handed to
+``triton.compile`` with sm_90 as the target, down to the cubin (Triton's
+bundled ptxas). Identical compiles are made once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.compiler")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_triton, skinny  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.presets import PRESETS  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+SM90_SHARED_BYTES = 232448
+"""Shared memory one block may opt into on sm_90 (227 KiB)."""
+
+Launch = tuple[JITFunction, tuple, dict]
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Launch]]:
+    """Kernel launches caught instead of run, in order."""
+    caught: list[Launch] = []
+
+    def catch(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        caught.append((self, args, kwargs))
+
+    monkeypatch.setattr(JITFunction, "run", catch)
+    yield caught
+
+
+_compiled: dict[tuple, int] = {}
+"""Compile key -> shared memory bytes, for the whole module."""
+
+
+def compile_sm90(launch: Launch) -> int:
+    """Compile a caught launch for sm_90 as Triton would for that call on an
+    H200 (its specialization of each argument, its options); the kernel's
+    shared memory in bytes."""
+    kernel, args, kwargs = launch
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    key = (kernel.fn.__qualname__, repr(signature), repr(constexprs), repr(attrs), repr(options))
+    if key not in _compiled:
+        src = ASTSource(kernel, signature, constexprs, attrs)
+        out = triton.compile(src, target=SM90, options=options.__dict__)
+        assert "cubin" in out.asm
+        _compiled[key] = out.metadata.shared
+    return _compiled[key]
+
+
+def compile_all(launches: list[Launch], expect: int) -> None:
+    assert len(launches) == expect, [k.fn.__name__ for k, _, _ in launches]
+    for launch in launches:
+        shared = compile_sm90(launch)
+        assert shared <= SM90_SHARED_BYTES, (launch[0].fn.__name__, shared)
+
+
+def projections(preset: str) -> dict[str, tuple[int, int]]:
+    """``name -> (N, K)`` of a dense preset's products."""
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {
+        "qkv": (q + 2 * kv, c.hidden_size),
+        "o": (c.hidden_size, q),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+        "lm_head": (c.vocab_size, c.hidden_size),
+    }
+
+
+LLAMA = projections("llama-3.1-8b")
+
+
+def _empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA))
+def test_one_row_gemv(name: str, launches: list[Launch]) -> None:
+    n, k = LLAMA[name]
+    t = gemv.tiles(n, k)
+    assert t is not None
+    gemv.run_gemv(_empty(1, k), _empty(n, k), None, t)
+    expect = 1
+    if name == "down":  # the SiLU-and-mul GEMV over the gate/up output
+        gemv.run_silu_gemv(_empty(1, 2 * k), _empty(n, k), t)
+        expect = 2
+    compile_all(launches, expect)
+
+
+@pytest.mark.parametrize("rows", [2, 17, 33])
+@pytest.mark.parametrize("name", sorted(LLAMA))
+def test_few_rows(name: str, rows: int, launches: list[Launch]) -> None:
+    n, k = LLAMA[name]
+    t = skinny.tiles(rows, n, k)
+    if t is None:
+        pytest.skip("cuBLAS serves this shape")
+    skinny.run_skinny(_empty(rows, k), _empty(n, k), None, t)
+    compile_all(launches, 1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down"])
+def test_fp8_few_rows(name: str, bias: bool, launches: list[Launch]) -> None:
+    n, k = LLAMA[name]
+    x, q = _empty(3, k), _empty(n, k, dtype=fp8.E4M3)
+    t = fp8_skinny.fits(x, q)
+    assert t is not None
+    b = _empty(n) if bias else None
+    fp8_skinny.run(x, q, _empty(n, dtype=torch.float32), b, t)
+    fp8_skinny.run(x, q, _empty(n, dtype=torch.float32), b, t._replace(unroll_scale=False))
+    compile_all(launches, 2)
+
+
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_fp8_activation_quantization(k: int, launches: list[Launch]) -> None:
+    fp8_quant.quantize_rows(_empty(64, k))
+    compile_all(launches, 1)
+
+
+def test_mixture_of_experts_every_kernel_choice(launches: list[Launch]) -> None:
+    """What ``moe_triton.warm_up`` compiles when a CUDA runner starts:
+    every kernel choice up to 8192 tokens at Qwen3-30B-A3B's shapes."""
+    c = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16)
+    assert c.moe is not None
+    e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
+    ran = moe_triton.warm_up(_empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 8192)
+    assert len(ran) >= 2  # the matrix-vector path and the grouped one at least
+    names = {k.fn.__name__ for k, _, _ in launches}
+    assert {"route_kernel", "gemv_gate_up_kernel", "grouped_down_kernel", "align_kernel"} <= names
+    compile_all(launches, len(launches))
+
+
+@pytest.mark.parametrize("case", ["greedy", "top_k_top_p", "top_p"])
+def test_sampler(case: str, launches: list[Launch]) -> None:
+    from engine.sampling import SamplingBatch
+    from engine.sampling_triton import sample_cuda
+    from protocol.sampling import SamplingParams
+
+    params = {
+        "greedy": SamplingParams(temperature=0.0),
+        "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+        "top_p": SamplingParams(temperature=0.8, top_p=0.9),
+    }[case]
+    vocab = LLAMA["lm_head"][0]
+    batch = SamplingBatch.build([params] * 4, [1] * 4, [0] * 4, vocab, "cpu")
+    sample_cuda(_empty(4, vocab, dtype=torch.float32), batch)
+    compile_all(launches, 2 if case == "greedy" else 7)
+
+
+def test_grammar_mask(launches: list[Launch]) -> None:
+    from engine.grammar_triton import apply_packed_bitmask
+
+    vocab = LLAMA["lm_head"][0]
+    words = -(-vocab // 32)
+    apply_packed_bitmask(
+        _empty(4, vocab, dtype=torch.float32), _empty(4 * (1 + words), dtype=torch.int32), 4
+    )
+    compile_all(launches, 1)
+
+
+def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:
+    """A loop-carried value whose type changes in the loop: the interpreter
+    runs it, the compiler refuses it; so must this check."""
+    import triton.language as tl
+
+    @triton.jit
+    def bad(x, K: tl.constexpr, BLOCK: tl.constexpr):
+        kk = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK):
+            v = tl.load(x + k0 + kk).to(tl.float32)
+            acc += v
+        for k0 in range(0, K, BLOCK):
+            v = tl.load(x + k0 + kk)  # bf16 now: v was float32 before the loop
+            acc += v.to(tl.float32)
+        tl.store(x + kk, acc.to(tl.bfloat16))
+
+    bad[(1,)](_empty(256), K=256, BLOCK=128)
+    with pytest.raises(triton.CompilationError, match="Loop-carried"):
+        compile_all(launches, 1)
+
+
+def test_the_check_fails_a_kernel_over_the_shared_memory(launches: list[Launch]) -> None:
+    import triton.language as tl
+
+    @triton.jit
+    def wide(a, b, c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        m, n, k = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, 4096, BK):
+            x = tl.load(a + m[:, None] * 4096 + (k0 + k)[None, :])
+            y = tl.load(b + (k0 + k)[:, None] * 4096 + n[None, :])
+            acc = tl.dot(x, y, acc)
+        tl.store(c + m[:, None] * 4096 + n[None, :], acc.to(tl.bfloat16))
+
+    x = _empty(256, 4096)
+    wide[(1,)](x, x, x, BM=256, BN=256, BK=128, num_stages=4)
+    with pytest.raises(AssertionError, match="wide"):
+        compile_all(launches, 1)
