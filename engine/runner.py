@@ -17,7 +17,7 @@ from engine.attention.flashinfer import FlashInferAttention
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
-from engine.kvcache.pool import KVPool, KVPoolConfig, kv_cache_dtype
+from engine.kvcache.pool import KV_FP8, KVPool, KVPoolConfig, kv_cache_dtype
 from engine.layers import moe
 from engine.layers.kernels import layer_kernels
 from engine.memory import MemoryPlan, peak_bytes
@@ -133,6 +133,10 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             self.model.load_weights(iter_safetensors(config.model))
+        if kv_cache_dtype(config.kv_cache_dtype, model_config.dtype) == KV_FP8:
+            scaled = self.model.scale_kv()
+            if scaled:
+                log.info("KV pool: e4m3 with the checkpoint's K/V scales in %d layers", scaled)
         if self.device.type == "cuda":
             # Compiled now rather than under the first requests of a new shape.
             with torch.inference_mode():

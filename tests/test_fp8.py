@@ -317,3 +317,70 @@ def test_fp8_kv_stays_near_full_precision_kv(model_dir) -> None:
     ref, got = _logits(_runner(model_dir), ids), _logits(ModelRunner(cfg, mc), ids)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 1e-4 < rel < 0.1, rel
+
+
+def test_kv_scale_names() -> None:
+    from engine.models.llama import kv_scale_target
+
+    assert kv_scale_target("model.layers.3.self_attn.k_scale") == (3, 0)
+    assert kv_scale_target("model.layers.12.self_attn.v_proj.output_scale") == (12, 1)
+    assert kv_scale_target("model.layers.3.self_attn.o_proj.output_scale") is None
+    assert kv_scale_target("model.layers.3.mlp.down_proj.weight") is None
+
+
+def _kv_scaled_pair(model_dir: str, tmp_path: Path) -> tuple[ModelRunner, ModelRunner]:
+    """A checkpoint with K/V scales 0.1 / 0.2 in every layer, in an e4m3 pool
+    and in a float32 one (where the scales are not used)."""
+    ckpt = tmp_path / "fp8-kv-scales"
+    quantized_checkpoint(Path(model_dir), ckpt, per_tensor=True)
+    mc = ModelConfig.load(ckpt)
+    cfg = EngineConfig(
+        model=str(ckpt), device="cpu", page_size=4, num_pages=64, kv_cache_dtype="fp8_e4m3"
+    ).resolve(mc)
+    return ModelRunner(cfg, mc), _runner(ckpt)
+
+
+def test_a_checkpoints_kv_scales_divide_what_the_fp8_pages_hold(model_dir, tmp_path) -> None:
+    scaled, plain = _kv_scaled_pair(model_dir, tmp_path)
+    scales = (torch.tensor(0.1).item(), torch.tensor(0.2).item())  # as stored: float32
+    assert [lay.self_attn.kv_scales for lay in scaled.model.model.layers] == [scales] * 2
+    assert all(lay.self_attn.kv_scales is None for lay in plain.model.model.layers)
+    ids = _prompt(13)
+    pages = scaled.pool.allocator.alloc(4)
+    assert pages is not None and plain.pool.allocator.alloc(4) == pages
+    batch = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu")
+    scaled.forward_logits(batch)
+    plain.forward_logits(batch)
+    # Layer 0's K and V come from the same embeddings in both: the e4m3 pages
+    # hold them divided by the scales, rounded (later layers' inputs differ).
+    ks, vs = scaled.model.model.layers[0].self_attn.kv_scales
+    assert torch.equal(
+        scaled.pool.k_layer(0)[pages], scaled.pool.stored(plain.pool.k_layer(0)[pages] / ks)
+    )
+    assert torch.equal(
+        scaled.pool.v_layer(0)[pages], scaled.pool.stored(plain.pool.v_layer(0)[pages] / vs)
+    )
+
+
+def test_scaled_fp8_pages_attend_as_their_values_times_the_scales(model_dir, tmp_path) -> None:
+    """Against a float32 pool holding each page times its layer's scales (and
+    storing new rows rounded as the scaled e4m3 pool does): the same logits."""
+    scaled, plain = _kv_scaled_pair(model_dir, tmp_path)
+    ks, vs = scaled.model.model.layers[0].self_attn.kv_scales
+    ids = _prompt(13)
+    pages = scaled.pool.allocator.alloc(5)
+    assert pages is not None and plain.pool.allocator.alloc(5) == pages
+    scaled.forward_logits(build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu"))
+    plain.pool.kv[:, :, 0] = scaled.pool.kv[:, :, 0].float() * ks
+    plain.pool.kv[:, :, 1] = scaled.pool.kv[:, :, 1].float() * vs
+    write = plain.pool.write
+
+    def write_as_scaled(layer, page_idx, slot_idx, k, v) -> None:
+        e4m3 = scaled.pool.stored
+        write(layer, page_idx, slot_idx, e4m3(k / ks).float() * ks, e4m3(v / vs).float() * vs)
+
+    plain.pool.write = write_as_scaled
+    for step in range(3):
+        batch = build_forward_batch([ExtendSpec([7 + step], 13 + step, pages)], 4, "cpu")
+        got, want = scaled.forward_logits(batch), plain.forward_logits(batch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

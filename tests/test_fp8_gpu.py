@@ -103,6 +103,30 @@ def test_fp8_kv_with_flashinfer_against_the_torch_attention(kv_heads: int) -> No
     assert ((eager - ref).norm() / ref.norm()).item() < 2e-2
 
 
+def test_scaled_fp8_kv_with_flashinfer_against_the_torch_attention() -> None:
+    """A checkpoint's K/V scales (here set on the layers) move onto the query
+    and the output around FlashInfer's kernels as around the torch attention."""
+    from engine.attention.torch_native import TorchNativeAttention
+
+    runner = _runner(0, 1, kv_cache_dtype="fp8_e4m3")
+    for layer in runner.model.model.layers:
+        layer.self_attn.kv_scales = (0.25, 0.5)
+    torch_attn = TorchNativeAttention(
+        runner.pool, runner.num_heads, runner.num_kv_heads, 128, q_dtype=torch.bfloat16
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = [int(i) for i in torch.randint(3, 1000, (40,), generator=gen)]
+    pages = runner.pool.allocator.alloc(3)
+    assert pages is not None
+    prefill = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 16, "cuda:0")
+    step = build_forward_batch([ExtendSpec([5], 40, pages)], 16, "cuda:0")
+    with torch.inference_mode():
+        for batch in (prefill, step):
+            fi = runner.forward_logits(batch).float()
+            ref = eager_logits(runner, torch_attn, batch).float()
+            assert ((fi - ref).norm() / ref.norm()).item() < 2e-2
+
+
 def test_fp8_kv_stays_near_bf16_kv_on_the_gpu() -> None:
     runner, ref_runner = _runner(0, kv_cache_dtype="fp8_e4m3"), _runner(0)
     gen = torch.Generator().manual_seed(0)

@@ -43,6 +43,10 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.kv_scales: tuple[float, float] | None = None
+        """``(k_scale, v_scale)`` of an e4m3 KV pool from a checkpoint that
+        carries them (``LlamaForCausalLM.scale_kv``): pages hold ``k / k_scale``
+        and ``v / v_scale``; None: values as they are."""
 
     def forward(self, x: torch.Tensor, rope: RotaryInput, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
@@ -55,7 +59,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.kernels.rotary(q, k, rope)
-        out = attn.forward(q, k, v, self.layer)
+        if self.kv_scales is None:
+            out = attn.forward(q, k, v, self.layer)
+        else:
+            # softmax(q.(K/ks * ks)) (V/vs * vs): the scales move onto the
+            # query and the output, so every backend reads the pages as stored.
+            ks, vs = self.kv_scales
+            out = attn.forward(q * ks, k / ks, v / vs, self.layer) * vs
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -124,10 +134,27 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
 
-STATIC_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".q_scale")
-"""Calibrated activation and KV scales of FP8 checkpoints, not read:
-activations are scaled per token (``engine.layers.fp8``) and e4m3 KV pages
-hold values as they are (its exponent covers K and V's range)."""
+STATIC_SCALES = (".input_scale", ".output_scale", ".q_scale", ".k_scale", ".v_scale")
+"""Calibrated scales of FP8 checkpoints not read: activations are scaled per
+token (``engine.layers.fp8``); KV scales are read where ``KV_SCALES`` names
+them, and read past elsewhere."""
+KV_SCALES = {
+    "self_attn.k_scale": 0,
+    "self_attn.v_scale": 1,
+    "self_attn.k_proj.output_scale": 0,
+    "self_attn.v_proj.output_scale": 1,
+}
+"""Checkpoint tensor (after ``model.layers.N.``) -> which of a layer's
+``(k_scale, v_scale)`` it holds: FP8-KV checkpoints' per-layer scalars, in
+compressed-tensors' names and in the older ``output_scale`` ones."""
+
+
+def kv_scale_target(name: str) -> tuple[int, int] | None:
+    """``(layer, 0 for K or 1 for V)`` of a checkpoint's KV scale tensor."""
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in KV_SCALES:
+        return int(parts[2]), KV_SCALES[parts[3]]
+    return None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = DecoderModel(cfg, kernels, tp)
+        self.checkpoint_kv_scales: dict[int, list[float]] = {}
+        """Layer -> ``[k_scale, v_scale]`` the checkpoint carries (1.0 where it
+        has one of the two); used with an e4m3 KV pool (``scale_kv``)."""
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, kernels
         )
@@ -208,6 +238,12 @@ class LlamaForCausalLM(nn.Module):
             return name, None
 
         for name, tensor in weights:
+            kv = kv_scale_target(name)
+            if kv is not None:
+                layer, which = kv
+                scales = self.checkpoint_kv_scales.setdefault(layer, [1.0, 1.0])
+                scales[which] = float(tensor.float().reshape(-1)[0])
+                continue
             t = targets(name)
             if t is None:
                 continue
@@ -244,3 +280,18 @@ class LlamaForCausalLM(nn.Module):
             raise WeightLoadError(
                 f"checkpoint lacks {len(missing)} weight(s), e.g. {', '.join(sorted(missing)[:5])}"
             )
+
+    def scale_kv(self) -> int:
+        """Store K and V in the KV pool divided by the checkpoint's per-layer
+        scales (for an e4m3 pool: the range the scales were calibrated for);
+        returns the layers scaled. Layers without scales, and scales of 1,
+        keep the plain path."""
+        scaled = 0
+        for i, layer in enumerate(self.model.layers):
+            ks, vs = self.checkpoint_kv_scales.get(i, (1.0, 1.0))
+            if (ks, vs) != (1.0, 1.0):
+                if not (ks > 0 and vs > 0):
+                    raise WeightLoadError(f"layer {i}: KV scales must be positive, got {ks}, {vs}")
+                layer.self_attn.kv_scales = (ks, vs)
+                scaled += 1
+        return scaled
