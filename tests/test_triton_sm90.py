@@ -1,6 +1,6 @@
 """Every Triton kernel the engine launches on CUDA, compiled for the H200's
 architecture (sm_90) on the CPU, with the arguments the engine's own launch
-code passes at real model shapes (Llama-3.1-8B, Qwen3-30B-A3B).
+code passes at real model shapes (Llama-3.1-8B and the mixture-of-experts presets).
 
 CI has no GPU, and Triton's interpreter (the kernel tests' CPU path) runs a
 kernel's Python, not its compiler: a kernel the compiler refuses (a
@@ -142,10 +142,11 @@ def test_fp8_activation_quantization(k: int, launches: list[Launch]) -> None:
     compile_all(launches, 1)
 
 
-def test_mixture_of_experts_every_kernel_choice(launches: list[Launch]) -> None:
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b"])
+def test_mixture_of_experts_every_kernel_choice(preset: str, launches: list[Launch]) -> None:
     """What ``moe_triton.warm_up`` compiles when a CUDA runner starts:
-    every kernel choice up to 8192 tokens at Qwen3-30B-A3B's shapes."""
-    c = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16)
+    every kernel choice up to 8192 tokens at each MoE preset's shapes."""
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
     assert c.moe is not None
     e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
     ran = moe_triton.warm_up(_empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 8192)
