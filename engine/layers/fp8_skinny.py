@@ -1,9 +1,9 @@
 """FP8 products of a few rows (small-batch decode) on the FP8 tensor cores.
 
 At 1 to ``MAX_ROWS`` rows a product is bound by the weight's bytes, which e4m3
-halves, but only a kernel that never widens the weight reaches that: turning
-each e4m3 byte into a float on the CUDA cores costs more than reading it. Here
-the tensor cores take the e4m3 weight as it is stored, with the operands
+halves; a kernel that widened each e4m3 byte to a float on the CUDA cores was
+slower on the H200 than the bf16 one (docs/benchmarks.md, FP8). Here the
+tensor cores take the e4m3 weight as it is stored, with the operands
 swapped as ``engine.layers.skinny`` does for bf16: ``out.T = Q @ xq.T``, the
 matrix units' wide side over the weight's output rows (``BLOCK_N``), the
 narrow one over the input rows (padded to ``BLOCK_M`` = 16). Each program
@@ -47,8 +47,9 @@ class Tiles(NamedTuple):
 
 def tiles(n: int, k: int) -> Tiles | None:
     """The tiles for an ``[n, k]`` e4m3 weight, or None where they do not fit.
-    (The best of a sweep on an H200 over Llama-3.1-8B's shapes: weights of 4096
-    rows or fewer split over K twice, the wide gate/up in taller, shorter tiles.)"""
+    (The best of a sweep on an H200 over Llama-3.1-8B's shapes, made with the
+    scale pass looped: weights of 4096 rows or fewer split over K twice, the
+    wide gate/up in taller, shorter tiles.)"""
     if n >= 16384:
         t = Tiles(128, 128, 1, 4, 4)
     elif n <= 4096:
