@@ -1,4 +1,4 @@
-"""Where the engine's decode time goes on CUDA, two ways:
+"""Where the engine's decode and prefill time goes on CUDA, three ways:
 
     python -m benchmarks.profile step --model llama-3.1-8b --device cuda:0 \\
         --batch-sizes 1 64 256 --context-len 1024 --cuda-graph-max-bs 256
@@ -27,6 +27,15 @@ greedy requests of ``--context-len``-token prompts, once they all decode:
   (no host time in it), its kernel count and its heaviest kernels;
 - a cProfile of the host side of the loop (``--trace-dir``: text files, and
   chrome traces of the first two batch sizes).
+
+``prefill``: one forward of a single ``--prompt-lens`` prompt, for each length:
+its kernels and their GPU time by category (as ``step``), the device's
+elapsed time over the forward and the share of it spent in kernels (below
+100%: the device waited for the host), the host's time to queue it and the
+wall time::
+
+    python -m benchmarks.profile prefill --model llama-3.1-8b --prompt-lens 1024 8192 \\
+        [--quantization fp8]
 
 ``--model`` is a preset (dummy weights) or a checkpoint directory. Each writes
 a JSON record to ``--output-file`` (default: ``benchmarks/results/``).
@@ -112,7 +121,8 @@ def make_engine(args: argparse.Namespace) -> Engine:
             page_size=args.page_size,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
-            max_running_requests=args.max_running_requests or max(256, *args.batch_sizes),
+            max_running_requests=args.max_running_requests
+            or max(256, *getattr(args, "batch_sizes", [1])),
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             **({"dtype": args.dtype} if args.dtype else {}),
@@ -457,6 +467,85 @@ def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
     write_record(TOOL, argv, body, args.output_file, stem, machine(args.device))
 
 
+# -- prefill: one prompt's forward taken apart -------------------------------------------
+
+
+def time_forwards(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]:
+    """The forward as the runner runs it: the device's elapsed time between
+    events around it (idle time waiting for the host included), the host's
+    time to queue it, and the wall time with a sync."""
+    elapsed_ms, host_ms, wall_ms = [], [], []
+    dev = runner.device
+    with torch.inference_mode():
+        for step in range(steps + 2):
+            torch.cuda.synchronize(dev)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            batch = build_forward_batch(specs, runner.pool.page_size, dev)
+            e0.record()
+            runner.forward_logits(batch)
+            e1.record()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize(dev)
+            t2 = time.perf_counter()
+            if step >= 2:
+                elapsed_ms.append(e0.elapsed_time(e1))
+                host_ms.append((t1 - t0) * 1e3)
+                wall_ms.append((t2 - t0) * 1e3)
+    med = statistics.median
+    return {
+        "forward_elapsed_ms": med(elapsed_ms),
+        "host_enqueue_ms": med(host_ms),
+        "wall_ms": med(wall_ms),
+    }
+
+
+def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -> dict[str, Any]:
+    runner = engine.runner
+    pages = runner.pool.allocator.alloc(-(-prompt_len // runner.pool.page_size))
+    if pages is None:
+        raise SystemExit(f"KV pool too small for {prompt_len} tokens; raise --kv-cache-memory-gb")
+    vocab = runner.model_config.vocab_size
+    specs = [ExtendSpec([(7 * i + 3) % vocab for i in range(prompt_len)], 0, pages)]
+    row: dict[str, Any] = {"prompt_len": prompt_len}
+    row.update(profile_eager(runner, specs))
+    row.update(time_forwards(runner, specs, args.steps))
+    busy = sum(row["gpu_ms_by_category"].values())
+    row["kernel_ms"] = busy
+    row["device_busy"] = busy / row["forward_elapsed_ms"]
+    runner.pool.allocator.free(pages)
+    return row
+
+
+def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
+    engine = make_engine(args)
+    cfg = engine.config
+    rows = [profile_prefill(engine, n, args) for n in args.prompt_lens]
+    cats = [*CATEGORIES, "other"]
+    print(f"model={args.model} quantization={cfg.quantization} attention={cfg.attention_backend}")
+    print(
+        f"{'tokens':>6} {'kernels':>7} "
+        + " ".join(f"{c:>16}" for c in cats)
+        + f" {'kernel ms':>9} {'elapsed ms':>10} {'host ms':>8} {'wall ms':>8} {'busy':>5}"
+    )
+    for r in rows:
+        cat_ms = " ".join(f"{r['gpu_ms_by_category'].get(c, 0.0):>16.3f}" for c in cats)
+        print(
+            f"{r['prompt_len']:>6} {r['kernels']:>7} {cat_ms} {r['kernel_ms']:>9.3f} "
+            f"{r['forward_elapsed_ms']:>10.3f} {r['host_enqueue_ms']:>8.3f} {r['wall_ms']:>8.3f} "
+            f"{r['device_busy']:>5.0%}"
+        )
+    body = {
+        "model": args.model,
+        "attention_backend": cfg.attention_backend,
+        "quantization": cfg.quantization,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "results": rows,
+    }
+    stem = f"profile-prefill-{Path(args.model).name}"
+    write_record(TOOL, argv, body, args.output_file, stem, machine(args.device))
+
+
 # -- command line ---------------------------------------------------------------------
 
 
@@ -466,19 +555,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    modes = ap.add_subparsers(dest="mode", required=True, metavar="{step,loop}")
+    modes = ap.add_subparsers(dest="mode", required=True, metavar="{step,loop,prefill}")
     step = modes.add_parser("step", help="one decode step taken apart")
     loop = modes.add_parser("loop", help="the engine's overlap loop")
+    prefill = modes.add_parser("prefill", help="one prompt's forward taken apart")
     for p, batch_sizes, steps, kv_gb, graph_bs in (
         (step, [1, 64], 20, 40.0, None),
         (loop, [1, 64, 256], 50, 60.0, 256),
     ):
-        p.add_argument(
-            "--model",
-            default="llama-3.1-8b",
-            help="preset (dummy weights) or checkpoint dir (default: %(default)s)",
-        )
-        p.add_argument("--device", default="cuda:0", help="CUDA device (default: %(default)s)")
         p.add_argument(
             "--batch-sizes",
             type=int,
@@ -495,51 +579,74 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--steps", type=int, default=steps, help="timed steps (default: %(default)s)"
         )
-        p.add_argument(
-            "--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)"
-        )
-        p.add_argument(
-            "--kv-cache-memory-gb", type=float, default=kv_gb, help="KV pool (default: %(default)s)"
-        )
-        p.add_argument(
-            "--cuda-graph-max-bs",
-            type=int,
-            default=graph_bs,
-            help="largest graph-captured batch (default: %(default)s; None: the engine's auto)",
-        )
-        p.add_argument(
-            "--max-running-requests",
-            type=int,
-            default=None,
-            help="engine setting (bounds auto graph sizes; default: 256 or the largest batch)",
-        )
-        p.add_argument(
-            "--quantization",
-            choices=QUANTIZATIONS,
-            default=None,
-            help="fp8: e4m3 attention and MLP weights (default: as the checkpoint is)",
-        )
-        p.add_argument(
-            "--kv-cache-dtype",
-            choices=KV_CACHE_DTYPES,
-            default="auto",
-            help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
-        )
-        p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
-    step.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
-    step.add_argument(
-        "--attention-backend",
-        default="auto",
-        help="auto, flashinfer or torch_native (default: %(default)s)",
+        _engine_arguments(p, kv_gb, graph_bs)
+    prefill.add_argument(
+        "--prompt-lens",
+        type=int,
+        nargs="+",
+        default=[1024, 8192],
+        help="tokens of the one prompt of each forward (default: %(default)s)",
     )
+    prefill.add_argument(
+        "--steps", type=int, default=10, help="timed forwards (default: %(default)s)"
+    )
+    _engine_arguments(prefill, 20.0, None)
+    for p in (step, prefill):
+        p.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
+        p.add_argument(
+            "--attention-backend",
+            default="auto",
+            help="auto, flashinfer or torch_native (default: %(default)s)",
+        )
     loop.set_defaults(dtype=None, attention_backend=None)
     loop.add_argument("--trace-dir", default=None, help="write host profiles and chrome traces")
     return ap
 
 
+def _engine_arguments(p: argparse.ArgumentParser, kv_gb: float, graph_bs: int | None) -> None:
+    """The engine and record options every mode takes."""
+    p.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        help="preset (dummy weights) or checkpoint dir (default: %(default)s)",
+    )
+    p.add_argument("--device", default="cuda:0", help="CUDA device (default: %(default)s)")
+    p.add_argument(
+        "--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)"
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb", type=float, default=kv_gb, help="KV pool (default: %(default)s)"
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=graph_bs,
+        help="largest graph-captured batch (default: %(default)s; None: the engine's auto)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="engine setting (bounds auto graph sizes; default: 256 or the largest batch)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: e4m3 attention and MLP weights (default: as the checkpoint is)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
+    )
+    p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    {"step": run_step, "loop": run_loop}[args.mode](args, argv)
+    {"step": run_step, "loop": run_loop, "prefill": run_prefill}[args.mode](args, argv)
 
 
 if __name__ == "__main__":
