@@ -127,6 +127,47 @@ def test_scaled_fp8_kv_with_flashinfer_against_the_torch_attention() -> None:
             assert ((fi - ref).norm() / ref.norm()).item() < 2e-2
 
 
+def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens of ``prompts``: each prefilled alone, then ``steps - 1``
+    decode steps of all of them in one batch."""
+    tables, out = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            pages = runner.pool.allocator.alloc(-(-(len(ids) + steps) // PAGE_SIZE))
+            assert pages is not None
+            tables.append(pages)
+            batch = build_forward_batch([ExtendSpec(ids, 0, pages)], PAGE_SIZE, "cuda:0")
+            out.append([int(runner.forward_logits(batch).argmax(-1)[0])])
+        for step in range(steps - 1):
+            specs = [
+                ExtendSpec([toks[-1]], len(ids) + step, pages)
+                for ids, toks, pages in zip(prompts, out, tables, strict=True)
+            ]
+            logits = runner.forward_logits(build_forward_batch(specs, PAGE_SIZE, "cuda:0"))
+            for toks, t in zip(out, logits.argmax(-1).tolist(), strict=True):
+                toks.append(t)
+    for pages in tables:
+        runner.pool.allocator.free(pages)
+    return out
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_greedy_tokens_do_not_depend_on_the_batch(quantization: str | None) -> None:
+    """A prompt decoded alone (the few-row kernels) and among 31 others
+    (cuBLAS, or quantize + ``torch._scaled_mm``): the same greedy tokens, for
+    bf16 weights and FP8 ones alike."""
+    runner = _runner(64, quantization=quantization)
+    free = runner.pool.allocator.num_free
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        [int(t) for t in torch.randint(3, 1000, (20 + i,), generator=gen)] for i in range(32)
+    ]
+    alone = [_greedy(runner, [p], 12)[0] for p in prompts[:3]]
+    together = _greedy(runner, prompts, 12)
+    assert together[:3] == alone
+    assert runner.pool.allocator.num_free == free
+
+
 def test_fp8_kv_stays_near_bf16_kv_on_the_gpu() -> None:
     runner, ref_runner = _runner(0, kv_cache_dtype="fp8_e4m3"), _runner(0)
     gen = torch.Generator().manual_seed(0)
