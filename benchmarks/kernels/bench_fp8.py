@@ -106,13 +106,20 @@ def sweep_skinny(
 
 
 SWEEP_SKINNY = [
-    fp8_skinny.Tiles(bn, bk, sk, 4, 4, unroll)
-    for bn in (64, 128)
-    for bk in (128, 256, 512)
-    for sk in (1, 2, 4)
-    for unroll in (True, False)
+    *(
+        fp8_skinny.Tiles(bn, bk, sk, warps, 4)
+        for bn in (32, 64, 128)
+        for bk in (128, 256, 512)
+        for sk in (1, 2, 4, 8)
+        for warps in ((4, 8) if bn == 128 else (4,))
+    ),
+    fp8_skinny.Tiles(64, 512, 1, 4, 4, unroll_scale=False),
+    fp8_skinny.Tiles(64, 512, 2, 4, 4, unroll_scale=False),
 ]
-"""Tiles of the few-row FP8 kernel tried by ``--sweep``."""
+"""Tiles of the few-row FP8 kernel tried by ``--sweep`` (32 rows a program
+take the warp-level matrix instructions, 64 and 128 Hopper's warpgroup ones;
+the scale pass looped as well as unrolled, for the difference); those over
+an SM's shared memory are refused at launch and recorded as such."""
 
 
 def build_parser() -> argparse.ArgumentParser:
