@@ -114,9 +114,10 @@ class EngineConfig:
     so a smaller size shares more of partly common prompts."""
     kv_cache_dtype: str = setting(
         "auto",
-        help="fp8_e4m3: KV pages in e4m3 (half the bytes of bf16 per token, per transfer and "
-        "per decode read; values saturate at +-448, no scaling); auto: the model's dtype "
-        "(default: %(default)s)",
+        help="fp8_e4m3: KV pages in e4m3: twice the cached tokens in the same memory, half "
+        "the bytes per transfer (values saturate at +-448; a checkpoint's per-layer K/V "
+        "scales are applied; decode attention on them is not yet faster than on bf16 pages "
+        "on an H200); auto: the model's dtype (default: %(default)s)",
         group=KV_GROUP,
         choices=KV_CACHE_DTYPES,
     )
