@@ -31,8 +31,8 @@ greedy requests of ``--context-len``-token prompts, once they all decode:
 ``prefill``: one forward of a single ``--prompt-lens`` prompt, for each length:
 its kernels and their GPU time by category (as ``step``), the device's
 elapsed time over the forward and the share of it spent in kernels (below
-100%: the device waited for the host), the host's time to queue it and the
-wall time::
+100%: the device waited for the host), and, timed as ``step`` times a step
+(the last token sampled), the host's time to queue it and the wall time::
 
     python -m benchmarks.profile prefill --model llama-3.1-8b --prompt-lens 1024 8192 \\
         [--quantization fp8]
@@ -470,36 +470,6 @@ def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
 # -- prefill: one prompt's forward taken apart -------------------------------------------
 
 
-def time_forwards(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]:
-    """The forward as the runner runs it: the device's elapsed time between
-    events around it (idle time waiting for the host included), the host's
-    time to queue it, and the wall time with a sync."""
-    elapsed_ms, host_ms, wall_ms = [], [], []
-    dev = runner.device
-    with torch.inference_mode():
-        for step in range(steps + 2):
-            torch.cuda.synchronize(dev)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            batch = build_forward_batch(specs, runner.pool.page_size, dev)
-            e0.record()
-            runner.forward_logits(batch)
-            e1.record()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize(dev)
-            t2 = time.perf_counter()
-            if step >= 2:
-                elapsed_ms.append(e0.elapsed_time(e1))
-                host_ms.append((t1 - t0) * 1e3)
-                wall_ms.append((t2 - t0) * 1e3)
-    med = statistics.median
-    return {
-        "forward_elapsed_ms": med(elapsed_ms),
-        "host_enqueue_ms": med(host_ms),
-        "wall_ms": med(wall_ms),
-    }
-
-
 def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -> dict[str, Any]:
     runner = engine.runner
     pages = runner.pool.allocator.alloc(-(-prompt_len // runner.pool.page_size))
@@ -509,10 +479,12 @@ def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -
     specs = [ExtendSpec([(7 * i + 3) % vocab for i in range(prompt_len)], 0, pages)]
     row: dict[str, Any] = {"prompt_len": prompt_len}
     row.update(profile_eager(runner, specs))
-    row.update(time_forwards(runner, specs, args.steps))
+    # As a step runs it, the last token sampled; the forward's events take in
+    # the device's idle time waiting for the host.
+    row.update(time_steps(runner, specs, args.steps))
     busy = sum(row["gpu_ms_by_category"].values())
     row["kernel_ms"] = busy
-    row["device_busy"] = busy / row["forward_elapsed_ms"]
+    row["device_busy"] = busy / row["forward_gpu_ms"]
     runner.pool.allocator.free(pages)
     return row
 
@@ -526,13 +498,13 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
     print(
         f"{'tokens':>6} {'kernels':>7} "
         + " ".join(f"{c:>16}" for c in cats)
-        + f" {'kernel ms':>9} {'elapsed ms':>10} {'host ms':>8} {'wall ms':>8} {'busy':>5}"
+        + f" {'kernel ms':>9} {'fwd GPU ms':>10} {'host ms':>8} {'wall ms':>8} {'busy':>5}"
     )
     for r in rows:
         cat_ms = " ".join(f"{r['gpu_ms_by_category'].get(c, 0.0):>16.3f}" for c in cats)
         print(
             f"{r['prompt_len']:>6} {r['kernels']:>7} {cat_ms} {r['kernel_ms']:>9.3f} "
-            f"{r['forward_elapsed_ms']:>10.3f} {r['host_enqueue_ms']:>8.3f} {r['wall_ms']:>8.3f} "
+            f"{r['forward_gpu_ms']:>10.3f} {r['host_enqueue_ms']:>8.3f} {r['step_wall_ms']:>8.3f} "
             f"{r['device_busy']:>5.0%}"
         )
     body = {
