@@ -9,8 +9,9 @@ import pytest
 import torch
 from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs, eager_logits
 
+from engine.attention.torch_native import TorchNativeAttention
 from engine.config import EngineConfig
-from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.layers import fp8, fp8_skinny
 from engine.layers.linear import any_linear
 from engine.model_config import ModelConfig
@@ -72,23 +73,31 @@ def test_fp8_weights_decode_graph_equals_eager(batch_size: int) -> None:
     assert_graph_equals_eager(runner, batch)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])  # tensor-core decode, CUDA-core decode
-def test_fp8_kv_with_flashinfer_against_the_torch_attention(kv_heads: int) -> None:
-    """FP8 pages through FlashInfer's kernels (prefill, decode, a decode
-    graph) against the torch attention reading the same pages."""
-    from engine.attention.torch_native import TorchNativeAttention
-
-    runner = _runner(64, kv_heads, kv_cache_dtype="fp8_e4m3")
-    assert runner.pool.kv.dtype == torch.float8_e4m3fn
-    assert runner.config.attention_backend == "flashinfer" and runner.graphs is not None
-    torch_attn = TorchNativeAttention(
+def _torch_attention(runner: ModelRunner) -> TorchNativeAttention:
+    """The torch attention over the runner's pool (the reference)."""
+    return TorchNativeAttention(
         runner.pool, runner.num_heads, runner.num_kv_heads, 128, q_dtype=torch.bfloat16
     )
+
+
+def _prompt_prefill(runner: ModelRunner) -> tuple[ForwardBatch, list[int]]:
+    """A 40-token prompt's prefill (logits at every position) and its 3 pages."""
     gen = torch.Generator().manual_seed(0)
     ids = [int(i) for i in torch.randint(3, 1000, (40,), generator=gen)]
     pages = runner.pool.allocator.alloc(3)
     assert pages is not None
-    prefill = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 16, "cuda:0")
+    return build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 16, "cuda:0"), pages
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])  # tensor-core decode, CUDA-core decode
+def test_fp8_kv_with_flashinfer_against_the_torch_attention(kv_heads: int) -> None:
+    """FP8 pages through FlashInfer's kernels (prefill, decode, a decode
+    graph) against the torch attention reading the same pages."""
+    runner = _runner(64, kv_heads, kv_cache_dtype="fp8_e4m3")
+    assert runner.pool.kv.dtype == torch.float8_e4m3fn
+    assert runner.config.attention_backend == "flashinfer" and runner.graphs is not None
+    torch_attn = _torch_attention(runner)
+    prefill, _ = _prompt_prefill(runner)
     with torch.inference_mode():
         fi = runner.forward_logits(prefill).float()
         ref = eager_logits(runner, torch_attn, prefill).float()
@@ -106,19 +115,11 @@ def test_fp8_kv_with_flashinfer_against_the_torch_attention(kv_heads: int) -> No
 def test_scaled_fp8_kv_with_flashinfer_against_the_torch_attention() -> None:
     """A checkpoint's K/V scales (here set on the layers) move onto the query
     and the output around FlashInfer's kernels as around the torch attention."""
-    from engine.attention.torch_native import TorchNativeAttention
-
     runner = _runner(0, 1, kv_cache_dtype="fp8_e4m3")
     for layer in runner.model.model.layers:
         layer.self_attn.kv_scales = (0.25, 0.5)
-    torch_attn = TorchNativeAttention(
-        runner.pool, runner.num_heads, runner.num_kv_heads, 128, q_dtype=torch.bfloat16
-    )
-    gen = torch.Generator().manual_seed(0)
-    ids = [int(i) for i in torch.randint(3, 1000, (40,), generator=gen)]
-    pages = runner.pool.allocator.alloc(3)
-    assert pages is not None
-    prefill = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 16, "cuda:0")
+    torch_attn = _torch_attention(runner)
+    prefill, pages = _prompt_prefill(runner)
     step = build_forward_batch([ExtendSpec([5], 40, pages)], 16, "cuda:0")
     with torch.inference_mode():
         for batch in (prefill, step):
