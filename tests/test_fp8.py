@@ -282,6 +282,13 @@ def test_fp8_pages_saturate_instead_of_overflowing() -> None:
     assert (err <= k.abs()[inside] * 2**-4 + 2**-10).all()
 
 
+def _same_pages(a: ModelRunner, b: ModelRunner, n: int) -> list[int]:
+    """``n`` pages, the same ones in both runners' (fresh) pools."""
+    pages = a.pool.allocator.alloc(n)
+    assert pages is not None and b.pool.allocator.alloc(n) == pages
+    return pages
+
+
 def test_attention_reads_fp8_pages_as_their_values(model_dir) -> None:
     """The FP8-KV engine against one whose float32 pool holds the same
     (rounded) values: prefill, then decode steps over the cached pages."""
@@ -293,8 +300,7 @@ def test_attention_reads_fp8_pages_as_their_values(model_dir) -> None:
     a, b = ModelRunner(fp8_cfg, mc), _runner(model_dir)
     assert a.pool.kv.dtype == KV_FP8 and a.pool.config.page_bytes * 4 == b.pool.config.page_bytes
     ids = _prompt(13)
-    pages = a.pool.allocator.alloc(5)
-    assert pages is not None and b.pool.allocator.alloc(5) == pages
+    pages = _same_pages(a, b, 5)
     first = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu")
     a.forward_logits(first)
     b.forward_logits(first)
@@ -346,8 +352,7 @@ def test_a_checkpoints_kv_scales_divide_what_the_fp8_pages_hold(model_dir, tmp_p
     assert [lay.self_attn.kv_scales for lay in scaled.model.model.layers] == [scales] * 2
     assert all(lay.self_attn.kv_scales is None for lay in plain.model.model.layers)
     ids = _prompt(13)
-    pages = scaled.pool.allocator.alloc(4)
-    assert pages is not None and plain.pool.allocator.alloc(4) == pages
+    pages = _same_pages(scaled, plain, 4)
     batch = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu")
     scaled.forward_logits(batch)
     plain.forward_logits(batch)
@@ -368,8 +373,7 @@ def test_scaled_fp8_pages_attend_as_their_values_times_the_scales(model_dir, tmp
     scaled, plain = _kv_scaled_pair(model_dir, tmp_path)
     ks, vs = scaled.model.model.layers[0].self_attn.kv_scales
     ids = _prompt(13)
-    pages = scaled.pool.allocator.alloc(5)
-    assert pages is not None and plain.pool.allocator.alloc(5) == pages
+    pages = _same_pages(scaled, plain, 5)
     scaled.forward_logits(build_forward_batch([ExtendSpec(ids, 0, pages, "all")], 4, "cpu"))
     plain.pool.kv[:, :, 0] = scaled.pool.kv[:, :, 0].float() * ks
     plain.pool.kv[:, :, 1] = scaled.pool.kv[:, :, 1].float() * vs
