@@ -1,17 +1,22 @@
 """FP8 checkpoints written from a full-precision one, in the format public FP8
 Llama checkpoints use (compressed-tensors' float-quantized weights with a
-``weight_scale`` per channel or per tensor), for the tests that load them."""
+``weight_scale`` per channel or per tensor), and CPU runners of a checkpoint,
+for the FP8 tests."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.config import EngineConfig
 from engine.layers import fp8
+from engine.model_config import ModelConfig
+from engine.runner import ModelRunner
 
 QUANTIZED = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")  # fmt: skip
 CHANNEL_CONFIG = {
@@ -68,3 +73,18 @@ def quantized_checkpoint(src: Path, dst: Path, per_tensor: bool) -> dict[str, to
         qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
     (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     return out
+
+
+def cpu_runner(model: str | Path, quantization: str | None = None, **settings: Any) -> ModelRunner:
+    """A runner of the checkpoint ``model`` on the CPU: 64 pages of 4 tokens,
+    ``quantization`` and any other engine ``settings`` as given."""
+    mc = ModelConfig.load(model)
+    cfg = EngineConfig(
+        model=str(model),
+        device="cpu",
+        page_size=4,
+        num_pages=64,
+        quantization=quantization,
+        **settings,
+    ).resolve(mc)
+    return ModelRunner(cfg, mc)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_checkpoint import CHANNEL_CONFIG, quantized_checkpoint
+from fp8_checkpoint import CHANNEL_CONFIG, cpu_runner, quantized_checkpoint
 
 from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -61,14 +61,6 @@ def test_product_matches_float64_of_the_quantized_operands(
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
-def _runner(model_dir: str | Path, quantization: str | None = None) -> ModelRunner:
-    mc = ModelConfig.load(model_dir)
-    cfg = EngineConfig(
-        model=str(model_dir), device="cpu", page_size=4, num_pages=64, quantization=quantization
-    ).resolve(mc)
-    return ModelRunner(cfg, mc)
-
-
 def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     pages = runner.pool.allocator.alloc(-(-len(ids) // 4))
     assert pages is not None
@@ -86,7 +78,7 @@ def _prompt(n: int = 29) -> list[int]:
 
 def test_online_quantization_stays_near_the_full_precision_model(hf_checkpoint) -> None:
     path, _ = hf_checkpoint("qwen2-gqa2")  # QKV biases too
-    full, quant = _runner(path), _runner(path, "fp8")
+    full, quant = cpu_runner(path), cpu_runner(path, "fp8")
     assert quant.model_config.fp8 and not full.model_config.fp8
     layer = quant.model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == fp8.E4M3
@@ -106,7 +98,7 @@ def test_the_fp8_model_is_the_full_model_on_quantized_operands(hf_checkpoint) ->
     """The full-precision model given the dequantized FP8 weights and, before
     each of those projections, per-token quantized inputs: the FP8 model."""
     path, _ = hf_checkpoint("qwen2-gqa2")
-    full, quant = _runner(path), _runner(path, "fp8")
+    full, quant = cpu_runner(path), cpu_runner(path, "fp8")
 
     def quantized_input(module: torch.nn.Module, args: tuple) -> tuple:
         xq, sx = fp8.quantize_rows(args[0])
@@ -133,8 +125,8 @@ def test_a_per_channel_checkpoint_loads_as_online_quantization(model_dir, tmp_pa
     ckpt = tmp_path / "fp8-channel"
     quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
     assert ModelConfig.load(ckpt).quantization == "fp8"
-    stored = _runner(ckpt)  # no flag: the checkpoint says FP8
-    online = _runner(model_dir, "fp8")
+    stored = cpu_runner(ckpt)  # no flag: the checkpoint says FP8
+    online = cpu_runner(model_dir, "fp8")
     assert stored.model_config.fp8
     for (name, a), (_, b) in zip(
         stored.model.named_parameters(), online.model.named_parameters(), strict=True
@@ -147,7 +139,7 @@ def test_a_per_channel_checkpoint_loads_as_online_quantization(model_dir, tmp_pa
 def test_a_per_tensor_checkpoint_gives_every_row_the_tensor_scale(model_dir, tmp_path) -> None:
     ckpt = tmp_path / "fp8-tensor"
     stored = quantized_checkpoint(Path(model_dir), ckpt, per_tensor=True)
-    runner = _runner(ckpt)
+    runner = cpu_runner(ckpt)
     layer = runner.model.model.layers[1]
     pre = "model.layers.1."
     # The fused QKV matrix: each shard's rows dequantize to its own tensor.
@@ -198,16 +190,7 @@ def test_unsupported_quantizations_are_refused_by_name() -> None:
 
 
 def test_dummy_fp8_weights_have_the_dummy_spread(model_dir) -> None:
-    mc = ModelConfig.load(model_dir)
-    cfg = EngineConfig(
-        model=str(model_dir),
-        device="cpu",
-        page_size=4,
-        num_pages=64,
-        load_format="dummy",
-        quantization="fp8",
-    ).resolve(mc)
-    runner = ModelRunner(cfg, mc)
+    runner = cpu_runner(model_dir, "fp8", load_format="dummy")
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     w = fp8.dequantize_rows(qkv.weight, qkv.weight_scale)
     assert 0.018 < w.std().item() < 0.022
@@ -233,7 +216,7 @@ def test_tp2_ranks_hold_their_part_of_an_fp8_checkpoint(model_dir, tmp_path) -> 
     quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)
     mc = ModelConfig.load(ckpt)
     cfg = EngineConfig(model=str(ckpt), device="cpu", page_size=4, num_pages=64, tp_size=2)
-    one = _runner(ckpt)
+    one = cpu_runner(ckpt)
     group = make_runner(cfg.resolve(mc), mc)
     assert isinstance(group, LeadRunner)
     try:
@@ -292,12 +275,8 @@ def _same_pages(a: ModelRunner, b: ModelRunner, n: int) -> list[int]:
 def test_attention_reads_fp8_pages_as_their_values(model_dir) -> None:
     """The FP8-KV engine against one whose float32 pool holds the same
     (rounded) values: prefill, then decode steps over the cached pages."""
-    mc = ModelConfig.load(model_dir)
-    fp8_cfg = EngineConfig(
-        model=str(model_dir), device="cpu", page_size=4, num_pages=64, kv_cache_dtype="fp8_e4m3"
-    ).resolve(mc)
-    assert fp8_cfg.attention_backend == "torch_native"
-    a, b = ModelRunner(fp8_cfg, mc), _runner(model_dir)
+    a, b = cpu_runner(model_dir, kv_cache_dtype="fp8_e4m3"), cpu_runner(model_dir)
+    assert a.config.attention_backend == "torch_native"
     assert a.pool.kv.dtype == KV_FP8 and a.pool.config.page_bytes * 4 == b.pool.config.page_bytes
     ids = _prompt(13)
     pages = _same_pages(a, b, 5)
@@ -315,12 +294,9 @@ def test_attention_reads_fp8_pages_as_their_values(model_dir) -> None:
 
 
 def test_fp8_kv_stays_near_full_precision_kv(model_dir) -> None:
-    mc = ModelConfig.load(model_dir)
-    cfg = EngineConfig(
-        model=str(model_dir), device="cpu", page_size=4, num_pages=64, kv_cache_dtype="fp8_e4m3"
-    ).resolve(mc)
     ids = _prompt()
-    ref, got = _logits(_runner(model_dir), ids), _logits(ModelRunner(cfg, mc), ids)
+    fp8_kv = cpu_runner(model_dir, kv_cache_dtype="fp8_e4m3")
+    ref, got = _logits(cpu_runner(model_dir), ids), _logits(fp8_kv, ids)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 1e-4 < rel < 0.1, rel
 
@@ -339,11 +315,7 @@ def _kv_scaled_pair(model_dir: str, tmp_path: Path) -> tuple[ModelRunner, ModelR
     and in a float32 one (where the scales are not used)."""
     ckpt = tmp_path / "fp8-kv-scales"
     quantized_checkpoint(Path(model_dir), ckpt, per_tensor=True)
-    mc = ModelConfig.load(ckpt)
-    cfg = EngineConfig(
-        model=str(ckpt), device="cpu", page_size=4, num_pages=64, kv_cache_dtype="fp8_e4m3"
-    ).resolve(mc)
-    return ModelRunner(cfg, mc), _runner(ckpt)
+    return cpu_runner(ckpt, kv_cache_dtype="fp8_e4m3"), cpu_runner(ckpt)
 
 
 def test_a_checkpoints_kv_scales_divide_what_the_fp8_pages_hold(model_dir, tmp_path) -> None:

@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_checkpoint import quantized_checkpoint
+from fp8_checkpoint import cpu_runner, quantized_checkpoint
 
-from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
-from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 PROMPT = 24
@@ -33,14 +31,6 @@ def report(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "channel scale" in done.stdout  # the table
     return json.loads(out.read_text())
-
-
-def _runner(model: str | Path, quantization: str | None = None) -> ModelRunner:
-    mc = ModelConfig.load(model)
-    cfg = EngineConfig(
-        model=str(model), device="cpu", page_size=4, num_pages=16, quantization=quantization
-    ).resolve(mc)
-    return ModelRunner(cfg, mc)
 
 
 def _ids(vocab: int) -> list[int]:
@@ -66,7 +56,7 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_per_channel_figures_are_the_loaders_fp8_model(report: dict, model_dir: str) -> None:
-    ref, got = _logits(_runner(model_dir)), _logits(_runner(model_dir, "fp8"))
+    ref, got = _logits(cpu_runner(model_dir)), _logits(cpu_runner(model_dir, "fp8"))
     # Two processes: their float32 sums may differ in the last bits.
     assert report["channel"]["logits_rel_err"] == pytest.approx(_rel(got, ref), rel=1e-4)
     top1 = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()
@@ -80,9 +70,9 @@ def test_per_tensor_figures_are_a_per_tensor_checkpoints(
     separate tensors have."""
     ckpt = tmp_path / "fp8-tensor"
     quantized_checkpoint(Path(model_dir), ckpt, per_tensor=True)
-    loaded = _runner(ckpt)
+    loaded = cpu_runner(ckpt)
     assert loaded.model_config.fp8
-    ref, got = _logits(_runner(model_dir)), _logits(loaded)
+    ref, got = _logits(cpu_runner(model_dir)), _logits(loaded)
     assert report["tensor"]["logits_rel_err"] == pytest.approx(_rel(got, ref), rel=1e-4)
     assert report["tensor"]["logits_rel_err"] != report["channel"]["logits_rel_err"]
 
