@@ -133,7 +133,9 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             self.model.load_weights(iter_safetensors(config.model))
-        if kv_cache_dtype(config.kv_cache_dtype, model_config.dtype) == KV_FP8:
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model_config.dtype)
+        """The KV pool's dtype (``--kv-cache-dtype`` resolved against the model's)."""
+        if self.kv_dtype == KV_FP8:
             scaled = self.model.scale_kv()
             if scaled:
                 log.info("KV pool: e4m3 with the checkpoint's K/V scales in %d layers", scaled)
@@ -204,7 +206,7 @@ class ModelRunner:
             num_layers=self.model_config.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.model_config.head_dim,
-            dtype=kv_cache_dtype(config.kv_cache_dtype, self.model_config.dtype),
+            dtype=self.kv_dtype,
             device=config.device,
         )
 
@@ -239,7 +241,7 @@ class ModelRunner:
                 mc.num_layers,
                 self.num_kv_heads,
                 mc.head_dim,
-                kv_cache_dtype(config.kv_cache_dtype, mc.dtype),
+                self.kv_dtype,
             ),
         )
 
