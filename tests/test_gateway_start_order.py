@@ -212,7 +212,18 @@ class Fleet:
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         sock.linger = 0
         secure_server(sock, keys_for(token))
-        sock.bind(endpoint)
+        # close() hands the old listener to zmq's I/O thread, which lets the
+        # port go a moment later; a worker restarted on its port retries.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                sock.bind(endpoint)
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    sock.close(linger=0)
+                    raise
+                time.sleep(0.01)
         self.sockets[endpoint] = sock
         return endpoint
 
