@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, write_record
+from benchmarks.common import add_engine_flag, machine, write_record
 from engine.config import EngineConfig, resolve_device
 from engine.forward_batch import ExtendSpec, build_forward_batch
 from engine.model_config import ModelConfig
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
     )
+    add_engine_flag(ap, "fuse_rope_kv_write")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     ap.add_argument(
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        fuse_rope_kv_write=args.fuse_rope_kv_write,
     )
     mc = ModelConfig.load(model, cfg.torch_dtype)
     cfg = cfg.resolve(mc)
@@ -281,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         "page_size": cfg.page_size,
         "quantization": runner_quantization,
         "kv_cache_dtype": cfg.kv_cache_dtype,
+        "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
         "results": rows,
         "hf_transformers": hf_row,
     }

@@ -58,3 +58,13 @@ def write_record(
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
     return path
+
+
+def add_engine_flag(parser: Any, name: str) -> None:
+    """Add the worker's flag for engine setting ``name`` (its help, default
+    and type, from ``EngineConfig``) to a tool's parser."""
+    from engine.config import EngineConfig
+    from protocol.settings import add_flag, flags
+
+    (flag,) = [f for f in flags(EngineConfig) if f.name == name]
+    add_flag(parser, flag)

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine, write_record
+from benchmarks.common import add_engine_flag, machine, write_record
 from engine.config import EngineConfig
 from engine.engine import Engine, InFlight
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -125,6 +125,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             or max(256, *getattr(args, "batch_sizes", [1])),
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            fuse_rope_kv_write=args.fuse_rope_kv_write,
             **({"dtype": args.dtype} if args.dtype else {}),
             **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         )
@@ -303,6 +304,7 @@ def run_step(args: argparse.Namespace, argv: list[str] | None) -> None:
         "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
         "quantization": cfg.quantization,
         "kv_cache_dtype": cfg.kv_cache_dtype,
+        "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
         "results": rows,
     }
     stem = f"profile-step-{Path(args.model).name}"
@@ -461,6 +463,7 @@ def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
         "model": args.model,
         "quantization": engine.config.quantization,
         "kv_cache_dtype": engine.config.kv_cache_dtype,
+        "fuse_rope_kv_write": engine.config.fuse_rope_kv_write,
         "results": results,
     }
     stem = f"profile-loop-{Path(args.model).name}"
@@ -512,6 +515,7 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
         "attention_backend": cfg.attention_backend,
         "quantization": cfg.quantization,
         "kv_cache_dtype": cfg.kv_cache_dtype,
+        "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
         "results": rows,
     }
     stem = f"profile-prefill-{Path(args.model).name}"
@@ -613,6 +617,7 @@ def _engine_arguments(p: argparse.ArgumentParser, kv_gb: float, graph_bs: int | 
         default="auto",
         help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
     )
+    add_engine_flag(p, "fuse_rope_kv_write")
     p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
 
 

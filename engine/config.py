@@ -92,6 +92,13 @@ class EngineConfig:
         "with flashinfer attention, else 0)",
         group=MODEL_GROUP,
     )
+    fuse_rope_kv_write: bool = setting(
+        False,
+        help="with flashinfer attention, one Triton kernel per layer for the q/k norms, "
+        "the rotary embedding, the KV scales and the write into the KV pages, in place "
+        "of two to nine separate kernels (default: off)",
+        group=MODEL_GROUP,
+    )
     tp_size: int = setting(
         1,
         help="tensor-parallel ranks of the engine: N processes, one device each (cuda:0.."
@@ -299,6 +306,8 @@ class EngineConfig:
             graph_bs = min(self.max_running_requests, 256) if backend == "flashinfer" else 0
         if graph_bs and backend != "flashinfer":
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
+        if self.fuse_rope_kv_write and backend != "flashinfer":
+            raise ValueError("fuse_rope_kv_write needs attention_backend 'flashinfer'")
         return replace(
             self,
             device=device,

@@ -211,12 +211,15 @@ class ModelRunner:
         )
 
     def _attention(self, pool: KVPool, config: EngineConfig) -> AttentionBackend:
+        # resolve() allows the fused prologue with flashinfer attention only.
+        fused = {"fuse_prologue": True} if config.fuse_rope_kv_write else {}
         return get_attention_backend(config.attention_backend)(
             pool,
             self.num_heads,
             self.num_kv_heads,
             self.model_config.head_dim,
             q_dtype=self.model_config.dtype,
+            **fused,
         )
 
     def _memory_plan(

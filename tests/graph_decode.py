@@ -43,3 +43,50 @@ def assert_graph_equals_eager(runner: ModelRunner, batch: ForwardBatch) -> torch
     assert (graph - eager).abs().max().item() < 0.01 * scale
     assert graph.argmax(-1).tolist() == eager.argmax(-1).tolist()
     return eager
+
+
+def mixed_steps(runners: list[ModelRunner]) -> tuple[list[list[ExtendSpec]], list[list[int]]]:
+    """The same forwards for every runner, each kind a serving loop makes:
+    prompts prefilled together and in chunks over a cached prefix, decode
+    rows alone and mixed with prompts (decode rows first, and one after a
+    prompt). Five prompts' pages (out of pool order) are taken from each pool
+    alike; returns the steps and every runner's pages, to free."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 37, 70, 50, 30)]
+    ps = PAGE_SIZE
+    tables = []
+    for p in prompts:
+        pages = runners[0].pool.allocator.alloc(-(-(len(p) + 8) // ps))
+        assert pages is not None
+        perm = torch.randperm(len(pages), generator=gen).tolist()
+        tables.append([pages[i] for i in perm])  # out of pool order
+    taken = [[page for t in tables for page in t]]
+    for r in runners[1:]:
+        got = [r.pool.allocator.alloc(-(-(len(p) + 8) // ps)) for p in prompts]
+        assert all(g is not None and sorted(g) == sorted(t) for g, t in zip(got, tables))
+        taken.append(list(taken[0]))
+    steps: list[list[ExtendSpec]] = []
+    # 1. Prefill three prompts at once; the fourth only its first 20 tokens.
+    steps.append([ExtendSpec(p, 0, t, "all") for p, t in zip(prompts[:3], tables[:3])])
+    steps[-1].append(ExtendSpec(prompts[3][:20], 0, tables[3], "all"))
+    # 2. The fourth's next chunk over its cached prefix, with the others decoding.
+    steps.append(
+        [ExtendSpec([7], len(p), t) for p, t in zip(prompts[:3], tables[:3])]
+        + [ExtendSpec(prompts[3][20:], 20, tables[3], "all")]
+    )
+    # 3. Pure decode steps for all four.
+    for k in range(3):
+        steps.append(
+            [
+                ExtendSpec([11 + k], len(p) + (1 + k if i < 3 else k), t)
+                for i, (p, t) in enumerate(zip(prompts[:4], tables))
+            ]
+        )
+    # 4. Decoding rows first (the decode kernel), then a new prompt and one more
+    # decoding row after it (both on the prefill kernel).
+    steps.append(
+        [ExtendSpec([13], len(p) + 3, t) for p, t in zip(prompts[:2], tables[:2])]
+        + [ExtendSpec(prompts[4], 0, tables[4], "all")]
+        + [ExtendSpec([13], len(prompts[2]) + 3, tables[2])]
+    )
+    return steps, taken

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
-from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs
+from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs, mixed_steps
 from workers import launch_gateway, log_tail
 
 from engine.config import EngineConfig
@@ -133,42 +133,8 @@ def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
     ]
     assert runners[0].graphs is None and runners[1].graphs is None
     assert runners[3].graphs is not None and runners[3].graphs.sizes == [1, 2, 4, 8]
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 37, 70, 50, 30)]
-    ps = 16
-    steps: list[list[ExtendSpec]] = []
-    tables = []
-    for p in prompts:
-        pages = runners[0].pool.allocator.alloc(-(-(len(p) + 8) // ps))
-        assert pages is not None
-        perm = torch.randperm(len(pages), generator=gen).tolist()
-        tables.append([pages[i] for i in perm])  # out of pool order
-    for r in runners[1:]:
-        for p in prompts:
-            assert r.pool.allocator.alloc(-(-(len(p) + 8) // ps)) is not None
-    # 1. Prefill three prompts at once; the fourth only its first 20 tokens.
-    steps.append([ExtendSpec(p, 0, t, "all") for p, t in zip(prompts[:3], tables[:3])])
-    steps[-1].append(ExtendSpec(prompts[3][:20], 0, tables[3], "all"))
-    # 2. The fourth's next chunk over its cached prefix, with the others decoding.
-    steps.append(
-        [ExtendSpec([7], len(p), t) for p, t in zip(prompts[:3], tables[:3])]
-        + [ExtendSpec(prompts[3][20:], 20, tables[3], "all")]
-    )
-    # 3. Pure decode steps for all four.
-    for k in range(3):
-        steps.append(
-            [
-                ExtendSpec([11 + k], len(p) + (1 + k if i < 3 else k), t)
-                for i, (p, t) in enumerate(zip(prompts[:4], tables))
-            ]
-        )
-    # 4. Decoding rows first (the decode kernel), then a new prompt and one more
-    # decoding row after it (both on the prefill kernel).
-    steps.append(
-        [ExtendSpec([13], len(p) + 3, t) for p, t in zip(prompts[:2], tables[:2])]
-        + [ExtendSpec(prompts[4], 0, tables[4], "all")]
-        + [ExtendSpec([13], len(prompts[2]) + 3, tables[2])]
-    )
+    ps = PAGE_SIZE
+    steps, _ = mixed_steps(runners)
     for i, specs in enumerate(steps):
         ref, *outs = (r.forward_logits(build_forward_batch(specs, ps, "cuda:0")) for r in runners)
         scale = ref.abs().max().item()

@@ -65,6 +65,19 @@ def compile_sm90(launch: Launch) -> int:
     H200 (its specialization of each argument, its options); the kernel's
     shared memory in bytes."""
     kernel, args, kwargs = launch
+    key, signature, constexprs, attrs, options = _specialized(launch)
+    if key not in _compiled:
+        src = ASTSource(kernel, signature, constexprs, attrs)
+        out = triton.compile(src, target=SM90, options=options.__dict__)
+        assert "cubin" in out.asm
+        _compiled[key] = out.metadata.shared
+    return _compiled[key]
+
+
+def _specialized(launch: Launch) -> tuple[tuple, Any, Any, Any, Any]:
+    """``(key, signature, constexprs, attrs, options)`` of the compile Triton
+    makes for this call on sm_90; two launches with one key share a binary."""
+    kernel, args, kwargs = launch
     backend = make_backend(SM90)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
@@ -72,12 +85,7 @@ def compile_sm90(launch: Launch) -> int:
         backend, kwargs, bound, specialization, options
     )
     key = (kernel.fn.__qualname__, repr(signature), repr(constexprs), repr(attrs), repr(options))
-    if key not in _compiled:
-        src = ASTSource(kernel, signature, constexprs, attrs)
-        out = triton.compile(src, target=SM90, options=options.__dict__)
-        assert "cubin" in out.asm
-        _compiled[key] = out.metadata.shared
-    return _compiled[key]
+    return key, signature, constexprs, attrs, options
 
 
 def compile_all(launches: list[Launch], expect: int) -> None:
@@ -190,6 +198,67 @@ def test_grammar_mask(launches: list[Launch]) -> None:
         _empty(4, vocab, dtype=torch.float32), _empty(4 * (1 + words), dtype=torch.int32), 4
     )
     compile_all(launches, 1)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.E4M3])
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
+def test_rope_and_kv_write(preset: str, kv_dtype: torch.dtype, launches: list[Launch]) -> None:
+    """At one token and at a long prompt (the two row blocks), with all the
+    model's KV heads and with one (a rank of a tensor-parallel group: an
+    argument of 1, which Triton would otherwise make a constant)."""
+    from engine.attention.rope_kv_write import AppendIndex, QKPrologue, rope_kv_write
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    d = c.head_dim
+    table = _empty(1024, d, dtype=torch.float32)
+    norm = _empty(d) if c.qk_norm else None
+    for kv_heads in (c.num_kv_heads, 1):
+        pool = KVPool(KVPoolConfig(4, 16, c.num_layers, kv_heads, d, dtype=kv_dtype))
+        for n in (1, 8192):
+            qkv = _empty(n, (c.num_heads + 2 * kv_heads) * d)
+            q, k, v = qkv.split([c.num_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            ints = torch.zeros(n, dtype=torch.int32)
+            index = AppendIndex(ints, ints, ints, ints, ints)
+            pre = QKPrologue(torch.zeros(n, dtype=torch.int64), table, norm, norm, 1e-6, None)
+            rope_kv_write(
+                q.view(n, c.num_heads, d),
+                k.view(n, kv_heads, d),
+                v.view(n, kv_heads, d),
+                pre,
+                pool.k_layer(3),
+                pool.v_layer(3),
+                index,
+            )
+    compile_all(launches, 4)
+
+
+def test_rope_and_kv_write_compiles_once_per_model(launches: list[Launch]) -> None:
+    """Forwards of other token counts, and index tensors at other offsets of
+    the buffer they are copied in, reuse one binary (per row block): no
+    compile while requests wait."""
+    from engine.attention.rope_kv_write import AppendIndex, QKPrologue, rope_kv_write
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+
+    pool = KVPool(KVPoolConfig(4, 16, 2, 8, 128, dtype=torch.bfloat16))
+    table = _empty(1024, 128, dtype=torch.float32)
+    flat = torch.zeros(4096, dtype=torch.int32)
+    for n, offset in ((1, 0), (2, 1), (3, 3), (16, 4), (17, 7), (32, 16)):
+        qkv = _empty(n, 48 * 128)
+        q, k, v = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
+        ints = flat[offset : offset + n]
+        pre = QKPrologue(ints.long(), table, None, None, 1e-6, None)
+        rope_kv_write(
+            q.view(n, 32, 128),
+            k.view(n, 8, 128),
+            v.view(n, 8, 128),
+            pre,
+            pool.k_layer(1),
+            pool.v_layer(1),
+            AppendIndex(ints, flat[offset + 1 : offset + 1 + n], ints, ints, ints),
+        )
+    keys = {_specialized(launch)[0] for launch in launches}
+    assert len(launches) == 6 and len(keys) == 1, len(keys)
 
 
 def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:

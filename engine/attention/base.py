@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from engine.attention.rope_kv_write import QKPrologue
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
 
@@ -33,6 +34,9 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.q_dtype = q_dtype or pool.kv.dtype
+        self.fuses_prologue = False
+        """Whether layers call ``forward_fused`` (their q/k norms, rotary
+        embedding and KV scales left to it) in place of ``forward``."""
 
     @abstractmethod
     def begin_forward(self, batch: ForwardBatch) -> None:
@@ -44,3 +48,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write the new ``k``/``v`` ``[n, kv_heads, head_dim]`` into the pool, then
         return attention output ``[n, heads, head_dim]`` for ``q`` ``[n, heads, head_dim]``."""
+
+    def forward_fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pre: QKPrologue
+    ) -> torch.Tensor:
+        """``forward`` with the layer's prologue ``pre`` applied on the way:
+        ``q`` and ``k`` normed and rotated, and the KV scales applied (q times
+        the K scale, the pages' K and V over theirs); the output is still to
+        be multiplied by the V scale. Only backends that set
+        ``fuses_prologue`` take it."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k prologue")

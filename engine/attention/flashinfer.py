@@ -9,11 +9,13 @@ strides, so no copy of the cache is made. K and V views share their strides.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from engine.attention import rope_kv_write
 from engine.attention.base import AttentionBackend
+from engine.attention.rope_kv_write import AppendIndex, QKPrologue
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KV_FP8, KVPool
 
@@ -47,18 +49,6 @@ def flashinfer_usable(device: str, dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
-class _AppendIndex(NamedTuple):
-    """Where a forward's new K/V rows go, as FlashInfer's page-append kernel reads
-    it (int32, on the device): each new token's request and position, and the
-    page table the attention plan was made from."""
-
-    batch_indices: torch.Tensor
-    positions: torch.Tensor
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    last_page_len: torch.Tensor
-
-
 class _PlanSlot:
     """Wrappers that own one set of plan buffers (the page table and the
     kernels' work split, read by the kernels as they run), and the event that
@@ -70,7 +60,7 @@ class _PlanSlot:
             workspace, "NHD", use_tensor_cores=tensor_cores
         )
         self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self.graph_decode: dict[int, tuple[Any, _AppendIndex]] = {}
+        self.graph_decode: dict[int, tuple[Any, AppendIndex]] = {}
         """Batch size -> decode wrapper with fixed buffers (CUDA-graph replay) and
         the append index over the same buffers."""
         self.graph_indices: torch.Tensor | None = None
@@ -78,7 +68,7 @@ class _PlanSlot:
         one forward at a time is planned into a slot, whatever its size."""
         self.consumed: torch.cuda.Event | None = None
 
-    def graph_wrapper(self, batch_size: int, max_pages: int) -> tuple[Any, _AppendIndex]:
+    def graph_wrapper(self, batch_size: int, max_pages: int) -> tuple[Any, AppendIndex]:
         entry = self.graph_decode.get(batch_size)
         if entry is None:
             device = self.workspace.device
@@ -88,7 +78,7 @@ class _PlanSlot:
 
             # plan() fills the page-table buffers; the graph's append kernels
             # read the same ones, and positions copied in before each replay.
-            index = _AppendIndex(
+            index = AppendIndex(
                 batch_indices=torch.arange(batch_size, dtype=torch.int32, device=device),
                 positions=buf(batch_size),
                 indptr=buf(batch_size + 1),
@@ -132,8 +122,13 @@ class FlashInferAttention(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         q_dtype: torch.dtype | None = None,
+        fuse_prologue: bool = False,
     ) -> None:
+        """``fuse_prologue``: layers hand their q/k norms, rotary embedding and
+        KV scales to ``forward_fused``, which runs them with the KV write as
+        one kernel (``engine.attention.rope_kv_write``)."""
         super().__init__(pool, num_heads, num_kv_heads, head_dim, q_dtype)
+        self.fuses_prologue = fuse_prologue and rope_kv_write.supports(head_dim)
         try:
             import flashinfer
             import flashinfer.page
@@ -161,7 +156,7 @@ class FlashInferAttention(AttentionBackend):
             _PlanSlot(flashinfer, self._workspace, tensor_cores) for _ in range(NUM_PLAN_SLOTS)
         ]
         self._append_kv = flashinfer.page.append_paged_kv_cache
-        self._append: _AppendIndex | None = None
+        self._append: AppendIndex | None = None
         self._next_slot = 0
         self._current: _PlanSlot | None = None
         self._wrapper: Any = None
@@ -216,7 +211,7 @@ class FlashInferAttention(AttentionBackend):
         token_requests = [i for i, n in enumerate(batch.extend_lens) for _ in range(n)]
         # One host-to-device copy for everything the append kernel indexes by.
         dev = _to_device([indices, indptr, last_len, token_requests], self.pool.kv.device)
-        self._append = _AppendIndex(
+        self._append = AppendIndex(
             batch_indices=dev[3],
             positions=batch.positions.to(torch.int32),
             indptr=dev[1],
@@ -284,6 +279,18 @@ class FlashInferAttention(AttentionBackend):
         self._append_kv(
             k, v, ix.batch_indices, ix.positions, cache, ix.indices, ix.indptr, ix.last_page_len
         )
+        return self._attend(q, cache)
+
+    def forward_fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pre: QKPrologue
+    ) -> torch.Tensor:
+        ix = self._append
+        assert ix is not None, "begin_forward must come first"
+        cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
+        rope_kv_write.rope_kv_write(q, k, v, pre, *cache, ix)
+        return self._attend(q, cache)
+
+    def _attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # q may be a strided view into the QKV projection: the kernels take its
         # row and head strides.
         d = self._num_decode_rows

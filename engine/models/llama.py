@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.attention.rope_kv_write import QKPrologue
 from engine.layers import fp8, moe
 from engine.layers.gemv import linear
 from engine.layers.kernels import LayerKernels, RotaryInput
@@ -41,6 +42,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
         else:
             self.q_norm = self.k_norm = None
+        self.eps = cfg.rms_norm_eps
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.kv_scales: tuple[float, float] | None = None
@@ -56,16 +58,25 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.rotary(q, k, rope)
-        if self.kv_scales is None:
-            out = attn.forward(q, k, v, self.layer)
+        if attn.fuses_prologue:
+            positions, table = rope  # the FlashInfer kernels' rotary input
+            norms = (
+                (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            )
+            pre = QKPrologue(positions, table, *norms, self.eps, self.kv_scales)
+            out = attn.forward_fused(q, k, v, self.layer, pre)
         else:
-            # softmax(q.(K/ks * ks)) (V/vs * vs): the scales move onto the
-            # query and the output, so every backend reads the pages as stored.
-            ks, vs = self.kv_scales
-            out = attn.forward(q * ks, k / ks, v / vs, self.layer) * vs
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.kernels.rotary(q, k, rope)
+            if self.kv_scales is not None:
+                # softmax(q.(K/ks * ks)) (V/vs * vs): the scales move onto the
+                # query and the output, so every backend reads the pages as stored.
+                ks, vs = self.kv_scales
+                q, k, v = q * ks, k / ks, v / vs
+            out = attn.forward(q, k, v, self.layer)
+        if self.kv_scales is not None:
+            out = out * self.kv_scales[1]
         return self.o_proj(out.reshape(n, self.q_size))
 
 

@@ -1,0 +1,189 @@
+"""The fused q/k prologue and KV write (``engine.attention.rope_kv_write``)
+under Triton's interpreter (no GPU needed), against the layer's separate steps
+in torch: the reference norms (``TorchKernels``), the rotation in float64 from
+the same cos/sin table, the K/V scales, and ``KVPool.write`` at the slots
+FlashInfer's append index names. The whole pool is compared, so a row written
+to the wrong page, slot, layer or head fails as much as a wrong value.
+
+The interpreter must be chosen before triton is first imported, so these run
+in a child process started with ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import interpreted, parent_only, run_interpreted
+
+from engine.attention.rope_kv_write import AppendIndex, QKPrologue
+from engine.kvcache.pool import KV_FP8, KVPool, KVPoolConfig
+from engine.layers.kernels import TorchKernels
+from engine.layers.rotary import RotaryEmbedding
+
+HEADS, KV_HEADS, PAGE_SIZE, LAYER = 4, 2, 4, 1
+EXTENDS = [(3, 3, [3, 5]), (9, 1, [2, 6, 7]), (0, 5, [1, 4])]
+"""Per request: (cached tokens, new tokens, page table). A prompt's chunk after
+a cached prefix, a decode row past a page boundary, a fresh prompt."""
+
+
+@parent_only
+def test_kernel_under_the_interpreter() -> None:
+    run_interpreted(__file__, timeout_s=600)
+
+
+def _index() -> AppendIndex:
+    """As ``FlashInferAttention.begin_forward`` builds it."""
+    indptr, indices, last_len, requests, positions = [0], [], [], [], []
+    for r, (cached, new, table) in enumerate(EXTENDS):
+        seq = cached + new
+        n = -(-seq // PAGE_SIZE)
+        indices.extend(table[:n])
+        indptr.append(indptr[-1] + n)
+        last_len.append(seq - (n - 1) * PAGE_SIZE)
+        requests += [r] * new
+        positions += list(range(cached, seq))
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32)
+
+    return AppendIndex(i32(requests), i32(positions), i32(indptr), i32(indices), i32(last_len))
+
+
+def _pool(dtype: torch.dtype, head_dim: int) -> KVPool:
+    return KVPool(KVPoolConfig(8, PAGE_SIZE, 2, KV_HEADS, head_dim, dtype=dtype))
+
+
+def _reference(
+    qkv: torch.Tensor, pre: QKPrologue, pool: KVPool, index: AppendIndex
+) -> torch.Tensor:
+    """The rewritten q; ``pool`` written as the separate steps write it."""
+    n, d = qkv.shape[0], pre.table.shape[1]
+    q, k, v = qkv.split([HEADS * d, KV_HEADS * d, KV_HEADS * d], dim=-1)
+    q, k, v = q.view(n, HEADS, d), k.view(n, KV_HEADS, d), v.view(n, KV_HEADS, d)
+    if pre.q_norm is not None:
+        torch_kernels = TorchKernels()
+        q = torch_kernels.rms_norm(q, pre.q_norm, pre.eps)
+        k = torch_kernels.rms_norm(k, pre.k_norm, pre.eps)
+    cos, sin = pre.table.double()[pre.positions.long()][:, None].chunk(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.double().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    ks, vs = pre.kv_scales or (1.0, 1.0)
+    q, k, v = rotate(q) * ks, rotate(k) / ks, v.double() / vs
+    ptr, table, pos = index.indptr.long(), index.indices.long(), index.positions.long()
+    page = table[ptr[index.batch_indices.long()] + pos // PAGE_SIZE]
+    pool.write(LAYER, page, pos % PAGE_SIZE, k.float(), v.float())
+    return q.to(qkv.dtype)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rel: float, fp8: bool) -> None:
+    g, r = got.double(), ref.double()
+    # e4m3's subnormals are 2^-9 apart: one step there is more than ``rel``.
+    bad = (g - r).abs() > rel * r.abs() + (2**-9 if fp8 else 1e-6)
+    if fp8:
+        # The interpreter's float-to-e4m3 conversion mis-rounds values that
+        # round up to a power of two (e.g. 125.4 to 64; the GPU's instruction
+        # does not): those elements are left out, everything else is checked.
+        power = (r.abs() > 0) & (torch.log2(r.abs()) == torch.log2(r.abs()).round())
+        bad &= ~power
+    assert not bad.any(), (bad.sum().item(), g[bad][:8].tolist(), r[bad][:8].tolist())
+
+
+@interpreted
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "scales"),
+    [
+        # fp16 only: the interpreter truncates float32 to bfloat16 where the
+        # GPU rounds (bf16 runs in tests/test_rope_kv_write_gpu.py).
+        (torch.float16, torch.float16, None),
+        (torch.float16, KV_FP8, None),
+        (torch.float16, KV_FP8, (0.02, 0.125)),  # some K beyond e4m3's range
+    ],
+)
+def test_matches_the_separate_steps(
+    head_dim: int,
+    norms: bool,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    scales: tuple[float, float] | None,
+) -> None:
+    from engine.attention.rope_kv_write import rope_kv_write
+
+    g = torch.Generator().manual_seed(head_dim + norms)
+    index = _index()
+    n = index.positions.numel()
+    width = (HEADS + 2 * KV_HEADS) * head_dim
+    qkv = (torch.randn(n, width, generator=g) * 3).to(dtype)
+    rotary = RotaryEmbedding(head_dim, 10000.0, None, 64, TorchKernels())
+    weight = [(1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)]
+    pre = QKPrologue(
+        positions=index.positions.long(),
+        table=rotary.table(),
+        q_norm=weight[0] if norms else None,
+        k_norm=weight[1] if norms else None,
+        eps=1e-6,
+        kv_scales=scales,
+    )
+    pool, ref_pool = _pool(kv_dtype, head_dim), _pool(kv_dtype, head_dim)
+    ref_q = _reference(qkv.clone(), pre, ref_pool, index)
+
+    q, k, v = qkv.split([HEADS * head_dim, KV_HEADS * head_dim, KV_HEADS * head_dim], dim=-1)
+    q = q.view(n, HEADS, head_dim)  # views into the projection's output, as a layer passes them
+    k, v = k.view(n, KV_HEADS, head_dim), v.view(n, KV_HEADS, head_dim)
+    rope_kv_write(q, k, v, pre, pool.k_layer(LAYER), pool.v_layer(LAYER), index)
+
+    # One rounding of each value to fp16 (2^-11 of it), against a rotation in
+    # float64; e4m3 values at most one step (2^-3 of the value) apart, where
+    # the two round a tie differently.
+    rel = 4e-3
+    _close(q, ref_q, rel, False)
+    assert torch.equal(pool.kv[:, 1 - LAYER].float(), torch.zeros_like(pool.kv[:, 0].float()))
+    fp8 = kv_dtype == KV_FP8
+    _close(pool.kv.float(), ref_pool.kv.float(), 0.13 if fp8 else rel, fp8)
+    written = (pool.kv[:, LAYER].float() != 0).flatten(2).any(-1)  # [page, k or v]
+    assert written[:, 0].nonzero().flatten().tolist() == [1, 3, 4, 5, 7]
+
+
+@interpreted
+def test_rejects_what_it_cannot_take() -> None:
+    from engine.attention.rope_kv_write import rope_kv_write
+
+    index = _index()
+    n = index.positions.numel()
+    pool = _pool(torch.float16, 48)
+    table = RotaryEmbedding(48, 10000.0, None, 64, TorchKernels()).table()
+    x = torch.zeros(n, HEADS, 48, dtype=torch.float16)
+    kv = torch.zeros(n, KV_HEADS, 48, dtype=torch.float16)
+    pre = QKPrologue(index.positions.long(), table, None, None, 1e-6, None)
+    with pytest.raises(ValueError, match="power of two"):
+        rope_kv_write(x, kv, kv, pre, pool.k_layer(0), pool.v_layer(0), index)
+    pool = _pool(torch.float16, 32)
+    x, kv = x[..., :32], kv[..., :32].contiguous()
+    pre = pre._replace(q_norm=torch.ones(32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="together"):
+        rope_kv_write(x, kv, kv, pre, pool.k_layer(0), pool.v_layer(0), index)
+
+
+def test_the_fused_kernel_is_refused_without_flashinfer_attention() -> None:
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
+
+    mc = ModelConfig.from_dict(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 100,
+        },
+        dtype=torch.float32,
+    )
+    cfg = EngineConfig(model="m", device="cpu", fuse_rope_kv_write=True)
+    with pytest.raises(ValueError, match="fuse_rope_kv_write needs attention_backend 'flashinfer'"):
+        cfg.resolve(mc)
+    assert not EngineConfig(model="m", device="cpu").resolve(mc).fuse_rope_kv_write
