@@ -13,6 +13,11 @@ side by side and appends both JSON records (labels "pd" and "colocated") to
         --random-input-len 2048 --random-output-len 256 --num-prompts 200 \\
         --request-rate 4 --ignore-eos
 
+With a goodput sweep among the benchmark's options (``--slo ttft=500,tpot=30
+--sweep-max-concurrency 8 16 32 64 128 256``, or ``--sweep-request-rates``),
+each deployment runs the whole sweep and the table gives, side by side, the
+highest point that held the objectives, what it gave, and the first that broke.
+
 Each deployment's processes are stopped (SIGTERM, then SIGKILL after a
 timeout) before the next one starts, also on errors and Ctrl-C; their logs'
 tails are printed when one of them fails.
@@ -173,6 +178,34 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def goodput_table(results: dict[str, dict[str, Any]]) -> str:
+    """Each deployment's goodput sweep, side by side: the highest point that
+    held its objectives and what it gave, and the first that broke."""
+    names = [LABELS[k] for k in results]
+    sweeps = [r["sweep"] for r in results.values()]
+    over = bench_serving.SWEEP_NAMES[sweeps[0]["over"]]
+    objectives = ", ".join(f"p99 {k} <= {v:g} ms" for k, v in sweeps[0]["slo_ms"].items())
+    lines = [f"Goodput over {over} ({objectives})"]
+    lines.append(f"{'':<34}" + "".join(f"{n:>16}" for n in names))
+    lines.append("-" * len(lines[-1]))
+    best = [s["summary"]["highest_holding"] or {} for s in sweeps]
+    broke = [s["summary"]["first_broken"] or {} for s in sweeps]
+    rows = [
+        (f"Highest {over} that held", [b.get("value") for b in best]),
+        ("  its output throughput (tok/s)", [b.get("output_throughput") for b in best]),
+        ("  its request goodput (req/s)", [b.get("request_goodput") for b in best]),
+        (f"First {over} that broke", [b.get("value") for b in broke]),
+        ("  broken by", [",".join(b["broken"]) if b else None for b in broke]),
+    ]
+    for title, cells in rows:
+        text = "".join(
+            f"{'-' if c is None else c if isinstance(c, str) else bench_serving.format_value(c):>16}"
+            for c in cells
+        )
+        lines.append(f"{title:<34}{text}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.compare_pd",
@@ -289,9 +322,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     if args.model in PRESETS:
         parser.error(f"a preset has no tokenizer for the gateway: use --dummy-preset {args.model}")
     # Bad benchmark flags must fail before any process starts.
-    checked = bench_serving.build_parser().parse_args([*bench_args, "--base-url", "http://check"])
-    if checked.sweep_request_rates or checked.sweep_max_concurrency:
-        parser.error("compare_pd compares one run per deployment: no --sweep-* flags")
+    bench_parser = bench_serving.build_parser()
+    checked = bench_parser.parse_args([*bench_args, "--base-url", "http://check"])
+    sweep = bench_serving.sweep_of(bench_parser, checked)
 
     old_handler = signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.ExitStack() as stack:
@@ -329,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                     + ["--metadata", *common, *devices]
                 )
     print()
-    print(comparison_table(results))
+    print(goodput_table(results) if sweep else comparison_table(results))
     return results
 
 
@@ -338,4 +371,4 @@ if __name__ == "__main__":
         records = main()
     except KeyboardInterrupt:
         sys.exit("interrupted; every started process was stopped")
-    sys.exit(0 if all(r["completed"] for r in records.values()) else 1)
+    sys.exit(0 if all(bench_serving.completed_any(r) for r in records.values()) else 1)

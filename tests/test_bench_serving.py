@@ -1026,9 +1026,47 @@ def test_warmup_requests_are_shaped_like_the_measured_ones_but_share_no_prefix()
             assert all(w.prompt.split()[:16] != str(m.prompt).split()[:16] for m in measured)
 
 
-def test_compare_pd_refuses_a_sweep_before_starting_anything() -> None:
-    sweep = ["--slo", "ttft=500", "--sweep-max-concurrency", "1", "2"]
+def test_compare_pd_refuses_a_bad_sweep_before_starting_anything() -> None:
+    sweep = ["--slo", "ttft=500", "--sweep-all"]  # --sweep-all with nothing to sweep
     cmd = [sys.executable, "-m", "benchmarks.compare_pd", "--dummy-preset", "llama-3.1-8b", "--"]
     proc = subprocess.run([*cmd, *sweep], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "no --sweep-* flags" in proc.stderr
+    assert "--sweep-all needs" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_compare_pd_sweeps_goodput_on_both_deployments(tmp_path: Path) -> None:
+    """With a goodput sweep, each deployment runs it whole and the table
+    gives each one's highest point that held, side by side."""
+    marker = f"bench-dummy-{uuid.uuid4().hex[:8]}"
+    cfg_path = tmp_path / f"{marker}.json"
+    cfg_path.write_text(json.dumps({**MODEL_CONFIG, "vocab_size": 1000}))
+    out = tmp_path / "pd.jsonl"
+    cmd = [sys.executable, "-m", "benchmarks.compare_pd", "--dummy-preset", str(cfg_path)]
+    cmd += ["--prefill-device", "cpu", "--decode-device", "cpu", "--colocated-device", "cpu"]
+    cmd += ["--transfer-backend", "tcp", "--output-file", str(out), "--"]
+    cmd += ["--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4"]
+    cmd += ["--ignore-eos", "--disable-progress", "--slo", "ttft=60000,e2el=1"]
+    cmd += ["--sweep-max-concurrency", "1", "2", "--sweep-all"]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, **CPU_ENV}, capture_output=True, text=True,
+        timeout=COMPARE_TIMEOUT_S,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert not procs_mentioning(marker), "compare_pd left processes running"
+    assert proc.returncode == 0, output[-6000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["label"] for r in records] == ["pd", "colocated"]
+    for r in records:
+        points = r["sweep"]["points"]
+        assert [p["max_concurrency"] for p in points] == [1, 2]
+        assert all(p["completed"] == 4 and not p["holds"] for p in points)  # e2el <= 1 ms: never
+    lines = proc.stdout.splitlines()
+    title = [i for i, line in enumerate(lines) if line.startswith("Goodput over max concurrency")]
+    assert title, output[-3000:]
+    assert "p99 ttft <= 60000 ms, p99 e2el <= 1 ms" in lines[title[-1]]
+    assert lines[title[-1] + 1].split() == ["disaggregated", "colocated"]
+    rows = {line[:34].strip(): line[34:].split() for line in lines[title[-1] + 3 :]}
+    assert rows["Highest max concurrency that held"] == ["-", "-"]
+    assert rows["First max concurrency that broke"] == ["1", "1"]
+    assert rows["broken by"] == ["e2el", "e2el"]
