@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention import get_attention_backend, rope_kv_write
 from engine.attention.base import AttentionBackend
 from engine.attention.flashinfer import FlashInferAttention
 from engine.config import EngineConfig
@@ -157,6 +157,11 @@ class ModelRunner:
             gib=round(num_pages * self.pool.config.page_bytes / (1 << 30), 3),
         )
         self.attn = self._attention(self.pool, config)
+        if self.attn.fuses_prologue:
+            with torch.inference_mode():
+                rope_kv_write.warm_up(
+                    self.pool, self.num_heads, model_config.qk_norm, model_config.dtype
+                )
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_max_bs:
             assert isinstance(self.attn, FlashInferAttention)

@@ -148,6 +148,25 @@ def test_matches_the_separate_steps(
 
 
 @interpreted
+@pytest.mark.parametrize(("kv_dtype", "qk_norm"), [(torch.float16, True), (KV_FP8, False)])
+def test_warm_up_writes_only_the_scratch_page(kv_dtype: torch.dtype, qk_norm: bool) -> None:
+    """Both row blocks run at start-up, and every row they write lands in the
+    reserved page 0: what the pool's other pages hold is untouched."""
+    from engine.attention.rope_kv_write import ROWS_LARGE, ROWS_SMALL, warm_up
+
+    pool = _pool(kv_dtype, 32)
+    pool.kv.copy_(
+        (torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)) + 3).to(kv_dtype)
+    )
+    before = pool.kv.float().clone()
+    assert warm_up(pool, HEADS, qk_norm, torch.float16) == [ROWS_SMALL, ROWS_LARGE]
+    after = pool.kv.float()
+    assert torch.equal(after[1:], before[1:])
+    assert not after[0, 0, :, 0].any()  # layer 0's K and V at slot 0: the zero rows written
+    assert torch.equal(after[0, 1:], before[0, 1:])
+
+
+@interpreted
 def test_rejects_what_it_cannot_take() -> None:
     from engine.attention.rope_kv_write import rope_kv_write
 

@@ -233,6 +233,20 @@ def test_rope_and_kv_write(preset: str, kv_dtype: torch.dtype, launches: list[La
     compile_all(launches, 4)
 
 
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
+def test_rope_and_kv_write_warm_up(preset: str, launches: list[Launch]) -> None:
+    """What a runner with the fused prologue compiles at start-up: both row
+    blocks, as the model's forwards then launch them."""
+    from engine.attention.rope_kv_write import ROWS_LARGE, ROWS_SMALL, warm_up
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16))
+    assert warm_up(pool, c.num_heads, c.qk_norm, torch.bfloat16) == [ROWS_SMALL, ROWS_LARGE]
+    assert [kw["ROWS"] for _, _, kw in launches] == [ROWS_SMALL, ROWS_LARGE]
+    compile_all(launches, 2)
+
+
 def test_rope_and_kv_write_compiles_once_per_model(launches: list[Launch]) -> None:
     """Forwards of other token counts, and index tensors at other offsets of
     the buffer they are copied in, reuse one binary (per row block): no

@@ -246,3 +246,28 @@ def rope_kv_write(
         TO_FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_LIMIT=FP8_MAX,
         num_warps=4 if rows == ROWS_LARGE else 1,
     )  # fmt: skip
+
+
+def warm_up(pool: Any, num_heads: int, qk_norm: bool, dtype: torch.dtype) -> list[int]:
+    """Compile the kernel's variants for this model (one-token rows and long
+    prompts' row blocks) before requests come: a worker without decode graphs
+    would otherwise compile the small one under its first short prompt. Every
+    row goes to the reserved scratch page 0; returns the row blocks run."""
+    device, d = pool.kv.device, pool.config.head_dim
+    kv_heads = pool.config.num_kv_heads
+    table = torch.zeros(1, d, dtype=torch.float32, device=device)
+    norm = torch.ones(d, dtype=dtype, device=device) if qk_norm else None
+    ran = []
+    for n in (1, -(-LARGE_FROM_ROWS // num_heads)):
+        qkv = torch.zeros(n, (num_heads + 2 * kv_heads) * d, dtype=dtype, device=device)
+        q, k, v = qkv.split([num_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        zeros = torch.zeros(n, dtype=torch.int32, device=device)
+        one_request = torch.zeros(2, dtype=torch.int32, device=device)  # indptr [0, 0]: page 0
+        index = AppendIndex(zeros, zeros, one_request, one_request[:1], one_request[:1])
+        pre = QKPrologue(zeros.long(), table, norm, norm, 1e-6, None)
+        rope_kv_write(
+            q.view(n, num_heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d),
+            pre, pool.k_layer(0), pool.v_layer(0), index,
+        )  # fmt: skip
+        ran.append(ROWS_LARGE if n * num_heads >= LARGE_FROM_ROWS else ROWS_SMALL)
+    return ran
