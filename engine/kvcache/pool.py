@@ -137,6 +137,8 @@ class KVPool:
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as the pool stores it."""
         if self.kv.dtype == KV_FP8:
+            # Clamped in x's own dtype: +-448 is exact in bf16 and fp16, and
+            # their cast to e4m3 rounds as float32's would (two kernels, not three).
             limit = torch.finfo(KV_FP8).max
-            return x.float().clamp(-limit, limit).to(KV_FP8)
+            return x.clamp(-limit, limit).to(KV_FP8)
         return x.to(self.kv.dtype)
