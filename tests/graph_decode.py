@@ -10,6 +10,21 @@ from engine.forward_batch import ExtendSpec, ForwardBatch
 from engine.runner import ModelRunner
 
 PAGE_SIZE = 16
+SMALL_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+"""A model's config.json: small, in the head size FlashInfer's kernels are
+built for (bf16, 128), four query heads per KV head (tensor-core decode)."""
 
 
 def decode_specs(runner: ModelRunner, batch_size: int) -> list[ExtendSpec]:

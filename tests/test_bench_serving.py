@@ -953,11 +953,10 @@ def test_against_the_gateway(gateway: tuple[str, Path], backend: str, tmp_path: 
 # -- compare_pd ------------------------------------------------------------------------
 
 
-@pytest.mark.e2e
-def test_compare_pd_smoke(tmp_path: Path) -> None:
-    """Both deployments on a tiny-shaped dummy model (config.json + synthetic
-    tokenizer only): the workers accept the directory, the gateway serves its
-    tokenizer, and every process is gone afterwards."""
+def _compare_pd_on_cpu(tmp_path: Path) -> tuple[str, Path, list[str]]:
+    """(a marker in every process's command line, the JSON lines file, the
+    command up to its benchmark options): compare_pd on the CPU with a
+    tiny-shaped dummy model, 4 prompts of 16 tokens in, 4 out."""
     marker = f"bench-dummy-{uuid.uuid4().hex[:8]}"
     cfg_path = tmp_path / f"{marker}.json"
     cfg_path.write_text(json.dumps({**MODEL_CONFIG, "vocab_size": 1000}))
@@ -966,6 +965,15 @@ def test_compare_pd_smoke(tmp_path: Path) -> None:
     cmd += ["--prefill-device", "cpu", "--decode-device", "cpu", "--colocated-device", "cpu"]
     cmd += ["--transfer-backend", "tcp", "--output-file", str(out), "--"]
     cmd += ["--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4"]
+    return marker, out, cmd
+
+
+@pytest.mark.e2e
+def test_compare_pd_smoke(tmp_path: Path) -> None:
+    """Both deployments on a tiny-shaped dummy model (config.json + synthetic
+    tokenizer only): the workers accept the directory, the gateway serves its
+    tokenizer, and every process is gone afterwards."""
+    marker, out, cmd = _compare_pd_on_cpu(tmp_path)
     cmd += ["--ignore-eos", "--disable-progress"]
     proc = subprocess.Popen(
         cmd,
@@ -1038,14 +1046,7 @@ def test_compare_pd_refuses_a_bad_sweep_before_starting_anything() -> None:
 def test_compare_pd_sweeps_goodput_on_both_deployments(tmp_path: Path) -> None:
     """With a goodput sweep, each deployment runs it whole and the table
     gives each one's highest point that held, side by side."""
-    marker = f"bench-dummy-{uuid.uuid4().hex[:8]}"
-    cfg_path = tmp_path / f"{marker}.json"
-    cfg_path.write_text(json.dumps({**MODEL_CONFIG, "vocab_size": 1000}))
-    out = tmp_path / "pd.jsonl"
-    cmd = [sys.executable, "-m", "benchmarks.compare_pd", "--dummy-preset", str(cfg_path)]
-    cmd += ["--prefill-device", "cpu", "--decode-device", "cpu", "--colocated-device", "cpu"]
-    cmd += ["--transfer-backend", "tcp", "--output-file", str(out), "--"]
-    cmd += ["--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4"]
+    marker, out, cmd = _compare_pd_on_cpu(tmp_path)
     cmd += ["--ignore-eos", "--disable-progress", "--slo", "ttft=60000,e2el=1"]
     cmd += ["--sweep-max-concurrency", "1", "2", "--sweep-all"]
     proc = subprocess.run(

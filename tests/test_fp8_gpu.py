@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs, eager_logits
+from graph_decode import (
+    PAGE_SIZE,
+    SMALL_LLAMA,
+    assert_graph_equals_eager,
+    decode_specs,
+    eager_logits,
+)
 
 from engine.attention.torch_native import TorchNativeAttention
 from engine.config import EngineConfig
@@ -18,20 +24,6 @@ from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
-
-MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
-    "vocab_size": 1000,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 1024])
@@ -50,7 +42,9 @@ def test_products_match_float64_of_the_quantized_operands(rows: int) -> None:
 
 
 def _runner(graph_bs: int, kv_heads: int = 1, **kw: str) -> ModelRunner:
-    mc = ModelConfig.from_dict({**MODEL, "num_key_value_heads": kv_heads}, dtype=torch.bfloat16)
+    mc = ModelConfig.from_dict(
+        {**SMALL_LLAMA, "num_key_value_heads": kv_heads}, dtype=torch.bfloat16
+    )
     cfg = EngineConfig(
         model="fp8-test",
         load_format="dummy",

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs, mixed_steps
+from graph_decode import (
+    PAGE_SIZE,
+    SMALL_LLAMA,
+    assert_graph_equals_eager,
+    decode_specs,
+    mixed_steps,
+)
 
 from engine.config import EngineConfig
 from engine.forward_batch import build_forward_batch
@@ -17,22 +23,9 @@ from engine.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 
-MODEL = {
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
-    "vocab_size": 1000,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-}
-
 
 def _runner(arch: str, fused: bool, graph_bs: int, kv_cache_dtype: str) -> ModelRunner:
-    mc = ModelConfig.from_dict({**MODEL, "architectures": [arch]}, dtype=torch.bfloat16)
+    mc = ModelConfig.from_dict({**SMALL_LLAMA, "architectures": [arch]}, dtype=torch.bfloat16)
     cfg = EngineConfig(
         model="fused-prologue-test",
         load_format="dummy",
