@@ -3,6 +3,11 @@
     python -m benchmarks.bench_engine --model llama-3.1-8b --device cuda:0 \
         --batch-sizes 1 8 32 --input-len 512 --decode-steps 32
 
+A decode step is timed as a serving loop's step without overlap: the batch
+built, the forward (a CUDA graph's replay where one runs the batch), the
+sampling, the tokens copied back. Where a graph runs it, the replay alone is
+timed too (``graph_replay_ms``: the device's part of the step).
+
 ``--model`` is a checkpoint dir or a preset name (presets use dummy weights).
 ``--hf`` then times HF transformers' own model of the same config in the same
 run (random weights, batch 1: a forward of ``--input-len`` tokens, and greedy
@@ -21,7 +26,7 @@ import torch
 
 from benchmarks.common import add_engine_flag, machine, write_record
 from engine.config import EngineConfig, resolve_device
-from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
 from engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
@@ -33,6 +38,27 @@ from protocol.sampling import SamplingParams
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(torch.device(device))
+
+
+def graph_replay_ms(runner: ModelRunner, batch: ForwardBatch, reps: int = 20) -> float | None:
+    """Device ms of one replay of the decode graph that runs ``batch``, timed
+    over ``reps`` replays back to back (its inputs copied in and its attention
+    planned once, before): the step without the host's part. None where no
+    graph runs it."""
+    graphs = runner.graphs
+    rows = graphs.as_decode_rows(batch) if graphs is not None else None
+    if rows is None:
+        return None
+    with torch.inference_mode():
+        graph, _ = graphs.prepare(rows)
+        graph.replay()  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def bench_one(runner: ModelRunner, batch_size: int, args: argparse.Namespace) -> dict:
@@ -83,10 +109,12 @@ def bench_one(runner: ModelRunner, batch_size: int, args: argparse.Namespace) ->
         tokens = out.token_ids.tolist()
         step_times.append(time.perf_counter() - t0)
     step_times = step_times[1:]  # first step is warm-up
+    replay = graph_replay_ms(runner, build_forward_batch(specs, ps, runner.device))
     for t in tables:
         runner.pool.allocator.free(t)
     step_ms = statistics.median(step_times) * 1e3
     return {
+        "graph_replay_ms": replay,
         "batch_size": batch_size,
         "input_len": args.input_len,
         "prefill_tokens_per_s": batch_size * args.input_len / prefill_s,
@@ -250,12 +278,15 @@ def main(argv: list[str] | None = None) -> None:
         f"page_size={cfg.page_size} load={load_s:.1f}s"
     )
     print(
-        f"{'batch':>6} {'input':>6} {'prefill tok/s':>14} {'decode ms/step':>15} {'decode tok/s':>13}"
+        f"{'batch':>6} {'input':>6} {'prefill tok/s':>14} {'decode ms/step':>15} "
+        f"{'graph replay ms':>16} {'decode tok/s':>13}"
     )
     for r in rows:
+        replay = r["graph_replay_ms"]
         print(
             f"{r['batch_size']:>6} {r['input_len']:>6} {r['prefill_tokens_per_s']:>14.0f} "
-            f"{r['decode_step_ms_median']:>15.2f} {r['decode_tokens_per_s']:>13.0f}"
+            f"{r['decode_step_ms_median']:>15.2f} {'-' if replay is None else f'{replay:.2f}':>16} "
+            f"{r['decode_tokens_per_s']:>13.0f}"
         )
     hf_row = None
     if args.hf:

@@ -162,16 +162,24 @@ class DecodeGraphs:
                 self._outputs[(size, slot)] = out
         torch.cuda.synchronize(self.device)
 
+    def prepare(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph that runs the decode batch ``batch`` (``can_run``) with
+        its inputs copied in and its attention planned, ready to replay, and
+        the logits it writes (padded rows included: only read right after its
+        replay)."""
+        size = next(s for s in self.sizes if s >= batch.num_requests)
+        padded = self._padded(batch, size)
+        slot = self.attn.next_slot()
+        self.attn.begin_graph_forward(padded, slot, self._max_pages[size])
+        return self.graphs[(size, slot)], self._outputs[(size, slot)]
+
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the ``batch.logits_indices`` rows of a decode batch of
         ``b <= max_batch_size`` rows (``can_run``)."""
         b = batch.num_requests
-        size = next(s for s in self.sizes if s >= b)
-        padded = self._padded(batch, size)
-        slot = self.attn.next_slot()
-        self.attn.begin_graph_forward(padded, slot, self._max_pages[size])
-        self.graphs[(size, slot)].replay()
-        logits = self._outputs[(size, slot)][:b]
+        graph, out = self.prepare(batch)
+        graph.replay()
+        logits = out[:b]
         if batch.logits_indices.numel() == b:  # every row samples: decode
             return logits
         return logits[batch.logits_indices]
