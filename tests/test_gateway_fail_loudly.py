@@ -351,13 +351,14 @@ def test_worker_without_tokenizer_is_refused_with_the_fix(
 def stream_until_error(gw: Gateway, on_chunk3: Callable[[], object]) -> str:
     """A long streamed completion through ``gw`` that calls ``on_chunk3`` when
     its third chunk comes and must then end in an API error: that error's
-    message."""
+    message. (Long: about a second of the tiny model's decode on a fast CPU,
+    so it is still running when a short drain started at its third chunk ends.)"""
     client = gw.client()
     model = client.models.list().data[0].id
     stream = client.completions.create(
         model=model,
         prompt="Hello there",
-        max_tokens=900,
+        max_tokens=1000,
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -404,7 +405,7 @@ def test_draining_decode_worker_is_shutting_down(
     p = cluster.prefill
     spec = _spec(
         tmp_path, "decode-drained", "decode_server", "decode", model_dir,
-        num_pages=256, shutdown_timeout_s=1.0,
+        num_pages=256, shutdown_timeout_s=0.2,
     )  # fmt: skip
     with logged_worker(spec) as d:
         start = free_pages([p])
