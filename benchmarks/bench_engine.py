@@ -29,7 +29,6 @@ from engine.config import EngineConfig, resolve_device
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
-from engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from engine.runner import ModelRunner
 from engine.sampling import SamplingBatch
 from protocol.sampling import SamplingParams
@@ -151,19 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="largest decode batch run as a CUDA graph; 0 disables (default: auto)",
     )
-    ap.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=None,
-        help="fp8: e4m3 attention and MLP weights (default: as the checkpoint is)",
-    )
-    ap.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
-    )
-    add_engine_flag(ap, "fuse_rope_kv_write")
+    for setting in ("quantization", "kv_cache_dtype", "fuse_rope_kv_write"):
+        add_engine_flag(ap, setting)
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     ap.add_argument(

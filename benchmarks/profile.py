@@ -62,7 +62,6 @@ from benchmarks.common import add_engine_flag, machine, write_record
 from engine.config import EngineConfig
 from engine.engine import Engine, InFlight
 from engine.forward_batch import ExtendSpec, build_forward_batch
-from engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from engine.runner import ModelRunner
 from engine.sampling import SamplingBatch, sample
 from protocol.sampling import SamplingParams
@@ -605,19 +604,8 @@ def _engine_arguments(p: argparse.ArgumentParser, kv_gb: float, graph_bs: int | 
         default=None,
         help="engine setting (bounds auto graph sizes; default: 256 or the largest batch)",
     )
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=None,
-        help="fp8: e4m3 attention and MLP weights (default: as the checkpoint is)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="fp8_e4m3: the KV pool in e4m3 (default: the model's dtype)",
-    )
-    add_engine_flag(p, "fuse_rope_kv_write")
+    for setting in ("quantization", "kv_cache_dtype", "fuse_rope_kv_write"):
+        add_engine_flag(p, setting)
     p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
 
 
