@@ -301,9 +301,7 @@ def run_step(args: argparse.Namespace, argv: list[str] | None) -> None:
         "model": args.model,
         "attention_backend": cfg.attention_backend,
         "cuda_graph_max_bs": cfg.cuda_graph_max_bs,
-        "quantization": cfg.quantization,
-        "kv_cache_dtype": cfg.kv_cache_dtype,
-        "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
+        **_kernel_settings(cfg),
         "results": rows,
     }
     stem = f"profile-step-{Path(args.model).name}"
@@ -460,9 +458,7 @@ def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
         print(b, json.dumps(brief), flush=True)
     body = {
         "model": args.model,
-        "quantization": engine.config.quantization,
-        "kv_cache_dtype": engine.config.kv_cache_dtype,
-        "fuse_rope_kv_write": engine.config.fuse_rope_kv_write,
+        **_kernel_settings(engine.config),
         "results": results,
     }
     stem = f"profile-loop-{Path(args.model).name}"
@@ -512,9 +508,7 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
     body = {
         "model": args.model,
         "attention_backend": cfg.attention_backend,
-        "quantization": cfg.quantization,
-        "kv_cache_dtype": cfg.kv_cache_dtype,
-        "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
+        **_kernel_settings(cfg),
         "results": rows,
     }
     stem = f"profile-prefill-{Path(args.model).name}"
@@ -576,6 +570,16 @@ def build_parser() -> argparse.ArgumentParser:
     loop.set_defaults(dtype=None, attention_backend=None)
     loop.add_argument("--trace-dir", default=None, help="write host profiles and chrome traces")
     return ap
+
+
+def _kernel_settings(cfg: EngineConfig) -> dict[str, Any]:
+    """The settings that choose the weights', the KV pool's and the layer
+    prologue's kernels, for every mode's record."""
+    return {
+        "quantization": cfg.quantization,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
+    }
 
 
 def _engine_arguments(p: argparse.ArgumentParser, kv_gb: float, graph_bs: int | None) -> None:
