@@ -26,9 +26,12 @@ range, as ``KVPool.stored``).
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.kvcache.pool import KVPool
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
@@ -65,6 +68,11 @@ ROWS_SMALL, ROWS_LARGE = 4, 16
 """(token, head) rows per program: few at decode sizes, so the rows of a
 one-token step spread over programs; more for long prompts."""
 LARGE_FROM_ROWS = 4096
+
+
+def row_block(n: int, num_heads: int) -> int:
+    """Rows per program for a forward of ``n`` tokens."""
+    return ROWS_LARGE if n * num_heads >= LARGE_FROM_ROWS else ROWS_SMALL
 
 
 @cache
@@ -229,7 +237,7 @@ def rope_kv_write(
     if n == 0:
         return
     ks, vs = pre.kv_scales or (1.0, 1.0)
-    rows = ROWS_LARGE if n * num_heads >= LARGE_FROM_ROWS else ROWS_SMALL
+    rows = row_block(n, num_heads)
     programs = -(-n * num_heads // rows) + -(-n * num_kv_heads // rows)
     weight = pre.q_norm if pre.q_norm is not None else pre.table  # unread without norms
     _kernel()[(programs,)](
@@ -248,7 +256,7 @@ def rope_kv_write(
     )  # fmt: skip
 
 
-def warm_up(pool: Any, num_heads: int, qk_norm: bool, dtype: torch.dtype) -> list[int]:
+def warm_up(pool: KVPool, num_heads: int, qk_norm: bool, dtype: torch.dtype) -> list[int]:
     """Compile the kernel's variants for this model (one-token rows and long
     prompts' row blocks) before requests come: a worker without decode graphs
     would otherwise compile the small one under its first short prompt. Every
@@ -269,5 +277,5 @@ def warm_up(pool: Any, num_heads: int, qk_norm: bool, dtype: torch.dtype) -> lis
             q.view(n, num_heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d),
             pre, pool.k_layer(0), pool.v_layer(0), index,
         )  # fmt: skip
-        ran.append(ROWS_LARGE if n * num_heads >= LARGE_FROM_ROWS else ROWS_SMALL)
+        ran.append(row_block(n, num_heads))
     return ran
