@@ -26,7 +26,9 @@ order, each run as a plain one would (the same warm-up; from the second point
 on, prompts of the same lengths drawn anew, so none is a prefix-cache hit). A
 point holds when no request failed and the p99 of every metric in ``--slo`` is
 within its objective; the sweep stops after the first point that does not
-(``--sweep-all`` runs them all). It prints a row per point, the highest value
+(``--sweep-all`` runs them all). ``--sweep-refine N`` then bisects up to N
+times between the highest value that held and the first that broke, so a
+coarse grid ends in a close bracket. It prints a row per point, the highest value
 that held (its output tok/s and goodput) and the first that broke (and why);
 the JSON line holds every point's metrics under ``"sweep"``.
 
@@ -368,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every point (default: stop after the first that does not hold)",
     )
+    sw.add_argument(
+        "--sweep-refine",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then up to N more points, each halfway between the highest value that held "
+        "and the first that broke (default: %(default)s)",
+    )
 
     out = ap.add_argument_group("output")
     out.add_argument(
@@ -428,12 +438,18 @@ def sweep_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
     }
     over = next((name for name, values in given.items() if values), None)
     if over is None:
-        if args.sweep_all:
-            parser.error(f"--sweep-all needs {' or '.join(SWEEP_FLAGS.values())}")
+        for flag, given_too in (
+            ("--sweep-all", args.sweep_all),
+            ("--sweep-refine", args.sweep_refine),
+        ):
+            if given_too:
+                parser.error(f"{flag} needs {' or '.join(SWEEP_FLAGS.values())}")
         return None
     flag, values = SWEEP_FLAGS[over], given[over]
     if min(values) <= 0:
         parser.error(f"{flag} values must be > 0")
+    if args.sweep_refine < 0:
+        parser.error("--sweep-refine must be >= 0")
     if not args.slo:
         parser.error(
             f"{flag} needs --slo (e.g. --slo ttft=500,tpot=30): its objectives decide "
@@ -517,7 +533,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = None
     if sweep:
         sweep_record = run_sweep(
-            config, over, values, args.slo, args.sweep_all, args.num_client_processes
+            config,
+            over,
+            values,
+            args.slo,
+            args.sweep_all,
+            args.num_client_processes,
+            refine=args.sweep_refine,
         )
         measured = {"sweep": sweep_record}
     else:

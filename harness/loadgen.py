@@ -951,20 +951,25 @@ def run_sweep(
     slo: dict[str, float],
     run_all: bool = False,
     processes: int | None = None,
+    refine: int = 0,
 ) -> dict[str, Any]:
     """One run of ``config`` per value of its setting ``over``, in increasing
     order, until the first point that does not hold (every one if
-    ``run_all``); the points (their settings, metrics and verdict) and the
-    summary, as a record holds them."""
+    ``run_all``); then up to ``refine`` more, each halfway between the highest
+    value that held below the first broken one and that broken one (bisection:
+    a concurrency stops when the two are 1 apart). The points (their settings,
+    metrics and verdict, in increasing order of the value) and the summary, as
+    a record holds them."""
     values = sorted(set(values))
-    points = []
-    for i, value in enumerate(values):
+    points: list[dict[str, Any]] = []
+
+    def run_point(value: float) -> bool:
         print(f"== {SWEEP_NAMES[over]} {value}", file=sys.stderr)
         point_config = replace(config, **{over: value})
-        if i:
+        if points:
             # Prompts of the same lengths drawn anew: the earlier points' would
             # be in the server's prefix cache, and their TTFT a cache hit's.
-            rng = random.Random(f"sweep-{config.seed}-{i}")
+            rng = random.Random(f"sweep-{config.seed}-{len(points)}")
             fresh = redrawn(config.requests, len(config.requests), rng)
             point_config = replace(point_config, requests=fresh)
         _, measured = measure(point_config, slo, processes)
@@ -980,16 +985,46 @@ def run_sweep(
         print("holds" if verdict.holds else f"breaks: {why_broken(point, slo)}", file=sys.stderr)
         if point["errors"]:
             print(f"errors: {point['errors']}", file=sys.stderr)
-        if not (verdict.holds or run_all):
+        return verdict.holds
+
+    for value in values:
+        if not (run_point(value) or run_all):
             break
+    for _ in range(refine):
+        value = bisect_point(points, over)
+        if value is None:
+            break
+        run_point(value)
+    points.sort(key=lambda p: p[over])
     return {
         "over": over,
         "values": [json_rate(v) for v in values],
         "slo_ms": slo,
         "run_all": run_all,
+        "refine": refine,
         "points": points,
         "summary": sweep_summary(points, over, slo),
     }
+
+
+def bisect_point(points: Sequence[dict[str, Any]], over: str) -> float | None:
+    """The value halfway between the lowest broken point's and the highest
+    held one's below it; None without both, or for a concurrency once they
+    are 1 apart. A rate is rounded to 0.01 req/s (None once that is one of
+    the two)."""
+    broken = [p[over] for p in points if not p["holds"]]
+    if not broken:
+        return None
+    hi = min(broken)
+    held = [p[over] for p in points if p["holds"] and p[over] < hi]
+    if not held:
+        return None
+    lo = max(held)
+    if over == "max_concurrency":
+        mid: float = (lo + hi) // 2
+    else:
+        mid = round((lo + hi) / 2, 2)
+    return None if mid in (lo, hi) else mid
 
 
 def sweep_summary(

@@ -755,6 +755,50 @@ def test_later_sweep_points_send_fresh_prompts_of_the_same_shape(
         assert [(len(r.prompt), r.prompt_len, r.output_len) for r in point] == [(30, 30, 5)] * 6
 
 
+def test_a_refined_sweep_bisects_between_the_last_hold_and_the_first_break(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TTFT 50 ms per request/s against 310 ms holds up to 6 req/s: from a
+    grid of 2 and 10, four more points at 6, 8, 7 and 6.5 close the bracket
+    to 6 and 6.5. A concurrency (TTFT 100 ms each, against 450) stops once
+    held and broken are 1 apart: 8, 4, 6, 5, then nothing left to halve."""
+    ran: list[float] = []
+
+    def fake_benchmark(config: bench.BenchConfig) -> bench.BenchmarkResult:
+        value = config.request_rate if math.isfinite(config.request_rate) else 0.0
+        load = value * 0.05 or 0.1 * (config.max_concurrency or 0)
+        ran.append(value or float(config.max_concurrency or 0))
+        return bench.BenchmarkResult([done(load, 0.01) for _ in config.requests], duration=1.0)
+
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    reqs = [bench.RequestSpec(list(range(10 + i, 40 + i)), 30, 5) for i in range(4)]
+    cfg = bench.BenchConfig("http://x", "m", reqs)
+    sweep = bench.run_sweep(cfg, "request_rate", [10.0, 2.0], {"ttft": 310.0}, refine=4)
+    assert ran == [2.0, 10.0, 6.0, 8.0, 7.0, 6.5]
+    assert [(p["request_rate"], p["holds"]) for p in sweep["points"]] == [
+        (2.0, True),
+        (6.0, True),
+        (6.5, False),
+        (7.0, False),
+        (8.0, False),
+        (10.0, False),
+    ]
+    assert sweep["summary"]["highest_holding"]["value"] == 6.0
+    assert sweep["summary"]["first_broken"]["value"] == 6.5
+    assert (sweep["values"], sweep["refine"]) == ([2.0, 10.0], 4)
+
+    ran.clear()
+    sweep = bench.run_sweep(cfg, "max_concurrency", [1, 16], {"ttft": 450.0}, refine=9)
+    assert ran == [1, 16, 8, 4, 6, 5]
+    assert sweep["summary"]["highest_holding"]["value"] == 4
+    assert sweep["summary"]["first_broken"]["value"] == 5
+    # Nothing to bisect: every point held, or the first already broke.
+    for rates, slo in (([1.0, 2.0], 1000.0), ([8.0, 9.0], 300.0)):
+        ran.clear()
+        bench.run_sweep(cfg, "request_rate", rates, {"ttft": slo}, refine=3)
+        assert ran == rates[: 1 if slo == 300.0 else 2]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -766,6 +810,11 @@ def test_later_sweep_points_send_fresh_prompts_of_the_same_shape(
         ),
         (["--slo", "ttft=500", "--sweep-max-concurrency", "4", "0"], "values must be > 0"),
         (["--slo", "ttft=500", "--sweep-all"], "--sweep-all needs"),
+        (["--slo", "ttft=500", "--sweep-refine", "2"], "--sweep-refine needs"),
+        (
+            ["--slo", "ttft=500", "--sweep-request-rates", "1", "--sweep-refine", "-1"],
+            "--sweep-refine must be >= 0",
+        ),
     ],
 )
 def test_sweep_flags_need_slo_and_exclude_each_other(
@@ -842,15 +891,17 @@ def test_the_tool_sweeps_concurrency_up_to_the_first_broken_objective(
     """16 requests at once against the load-dependent server. Concurrency 1
     and 4: TTFT <= 160 ms and TPOT <= 40 ms, both half their objective; 16:
     all in flight, the slowest request's TTFT is about 640 ms and TPOT 160 ms,
-    twice their objective. The sweep stops there, unless --sweep-all runs 64."""
+    twice their objective. The sweep stops there, unless --sweep-all runs 64;
+    then one bisection point, 10 (TTFT about 400 ms, TPOT 100 ms), breaks too."""
     argv = ["--base-url", loaded_server, "--num-prompts", "16", "--random-input-len", "4"]
     argv += ["--random-output-len", "4", "--sweep-max-concurrency", "16", "64", "1", "4"]
     argv += ["--slo", slo, "--label", "sweep", *(["--sweep-all"] if sweep_all else [])]
+    argv += ["--sweep-refine", "1"]
     r, proc = run_tool(tmp_path / "r.jsonl", *argv)
     assert proc.returncode == 0 and r is not None, f"{proc.stdout}\n{proc.stderr}"
     sweep = r["sweep"]
     points = sweep["points"]
-    ran = [1, 4, 16, 64] if sweep_all else [1, 4, 16]
+    ran = [1, 4, 10, 16, 64] if sweep_all else [1, 4, 10, 16]
     assert [p["max_concurrency"] for p in points] == ran
     assert [p["broken"] for p in points] == [[], []] + [[objective]] * (len(ran) - 2)
     assert all((p["completed"], p["failed"], p["request_rate"]) == (16, 0, "inf") for p in points)
@@ -863,19 +914,22 @@ def test_the_tool_sweeps_concurrency_up_to_the_first_broken_objective(
             "request_goodput": held["request_goodput"],
         },
         "first_broken": {
-            "value": 16,
+            "value": 10,
             "broken": [objective],
             "reason": bench.why_broken(points[2], bench.parse_slo(slo)),
         },
     }
     # The record keeps a plain run's fields; the concurrencies asked for, in order.
     assert r["max_concurrency"] == sweep["values"] == [1, 4, 16, 64]
+    assert sweep["refine"] == 1
     assert r["label"] == "sweep" and r["workload"]["num_prompts"] == 16
     assert r["date"] and r["git_commit"] and r["machine"]["python"]
-    assert "--sweep-max-concurrency 16 64 1 4" in r["command"]
+    assert (
+        "--sweep-max-concurrency 16 64 1 4" in r["command"] and "--sweep-refine 1" in r["command"]
+    )
     assert "Goodput Sweep" in proc.stdout
     assert "Highest max concurrency that held: 4 (output " in proc.stdout
-    assert f"First max concurrency that broke: 16 ({objective} p99 " in proc.stdout
+    assert f"First max concurrency that broke: 10 ({objective} p99 " in proc.stdout
 
 
 # -- dummy model ---------------------------------------------------------------------
