@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_engine_flag, machine, write_record
+from benchmarks.common import KERNEL_SETTINGS, add_engine_flag, machine, write_record
 from engine.config import EngineConfig, resolve_device
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.model_config import ModelConfig
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="largest decode batch run as a CUDA graph; 0 disables (default: auto)",
     )
-    for setting in ("quantization", "kv_cache_dtype", "fuse_rope_kv_write"):
+    for setting in KERNEL_SETTINGS:
         add_engine_flag(ap, setting)
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
@@ -248,9 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         attention_backend=args.attention_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        fuse_rope_kv_write=args.fuse_rope_kv_write,
+        **{name: getattr(args, name) for name in KERNEL_SETTINGS},
     )
     mc = ModelConfig.load(model, cfg.torch_dtype)
     cfg = cfg.resolve(mc)
@@ -303,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         "quantization": runner_quantization,
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
+        "decode_kernel": cfg.decode_kernel,
         "results": rows,
         "hf_transformers": hf_row,
     }

@@ -60,6 +60,11 @@ def write_record(
     return path
 
 
+KERNEL_SETTINGS = ("quantization", "kv_cache_dtype", "fuse_rope_kv_write", "decode_kernel")
+"""Engine settings that choose kernels: flags of the engine tools, copied
+into their configs and records."""
+
+
 def add_engine_flag(parser: Any, name: str) -> None:
     """Add the worker's flag for engine setting ``name`` (its help, default
     and type, from ``EngineConfig``) to a tool's parser."""

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import add_engine_flag, machine, write_record
+from benchmarks.common import KERNEL_SETTINGS, add_engine_flag, machine, write_record
 from engine.config import EngineConfig
 from engine.engine import Engine, InFlight
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -122,9 +122,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             max_running_requests=args.max_running_requests
             or max(256, *getattr(args, "batch_sizes", [1])),
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            fuse_rope_kv_write=args.fuse_rope_kv_write,
+            **{name: getattr(args, name) for name in KERNEL_SETTINGS},
             **({"dtype": args.dtype} if args.dtype else {}),
             **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         )
@@ -575,11 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _kernel_settings(cfg: EngineConfig) -> dict[str, Any]:
     """The settings that choose the weights', the KV pool's and the layer
     prologue's kernels, for every mode's record."""
-    return {
-        "quantization": cfg.quantization,
-        "kv_cache_dtype": cfg.kv_cache_dtype,
-        "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
-    }
+    return {name: getattr(cfg, name) for name in KERNEL_SETTINGS}
 
 
 def _engine_arguments(p: argparse.ArgumentParser, kv_gb: float, graph_bs: int | None) -> None:
@@ -608,7 +602,7 @@ def _engine_arguments(p: argparse.ArgumentParser, kv_gb: float, graph_bs: int | 
         default=None,
         help="engine setting (bounds auto graph sizes; default: 256 or the largest batch)",
     )
-    for setting in ("quantization", "kv_cache_dtype", "fuse_rope_kv_write"):
+    for setting in KERNEL_SETTINGS:
         add_engine_flag(p, setting)
     p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
 

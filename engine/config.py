@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.attention import ATTENTION_BACKENDS
+from engine.attention import ATTENTION_BACKENDS, DECODE_KERNELS
 from engine.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from protocol.settings import setting
 
@@ -98,6 +98,14 @@ class EngineConfig:
         "the rotary embedding, the KV scales and the write into the KV pages, in place "
         "of two to nine separate kernels (default: off)",
         group=MODEL_GROUP,
+    )
+    decode_kernel: str = setting(
+        "flashinfer",
+        help="with flashinfer attention, the kernel of decode rows: flashinfer's, or triton "
+        "(one program per request, KV head and split of the pages; the same pages, bf16 "
+        "or e4m3) (default: %(default)s)",
+        group=MODEL_GROUP,
+        choices=DECODE_KERNELS,
     )
     tp_size: int = setting(
         1,
@@ -204,6 +212,11 @@ class EngineConfig:
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"choose from {', '.join(ATTENTION_CHOICES)}"
             )
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(
+                f"unknown decode_kernel {self.decode_kernel!r}; "
+                f"choose from {', '.join(DECODE_KERNELS)}"
+            )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -308,6 +321,10 @@ class EngineConfig:
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
         if self.fuse_rope_kv_write and backend != "flashinfer":
             raise ValueError("fuse_rope_kv_write needs attention_backend 'flashinfer'")
+        if self.decode_kernel != "flashinfer" and backend != "flashinfer":
+            raise ValueError(
+                f"decode_kernel {self.decode_kernel!r} needs attention_backend 'flashinfer'"
+            )
         return replace(
             self,
             device=device,

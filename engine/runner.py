@@ -216,8 +216,11 @@ class ModelRunner:
         )
 
     def _attention(self, pool: KVPool, config: EngineConfig) -> AttentionBackend:
-        # resolve() allows the fused prologue with flashinfer attention only.
+        # resolve() allows the fused prologue and the Triton decode kernel with
+        # flashinfer attention only.
         fused = {"fuse_prologue": True} if config.fuse_rope_kv_write else {}
+        if config.decode_kernel != "flashinfer":
+            fused["decode_kernel"] = config.decode_kernel
         return get_attention_backend(config.attention_backend)(
             pool,
             self.num_heads,

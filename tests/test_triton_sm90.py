@@ -275,6 +275,33 @@ def test_rope_and_kv_write_compiles_once_per_model(launches: list[Launch]) -> No
     assert len(launches) == 6 and len(keys) == 1, len(keys)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.E4M3])
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
+def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: list[Launch]) -> None:
+    """Batch 1 and 8 (split over the pages: the split kernel, then the
+    merge) and 256 (one split), tiles of 4 and 8 pages, queries a view into
+    the QKV output, in the page-major pool of the model's layers. The split
+    count is no compile-time constant: every batch size's plan shares one
+    binary per tile and kind (split or whole), and one merge."""
+    from engine.attention import paged_decode as pd
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    d = c.head_dim
+    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=kv_dtype))
+    for batch in (1, 8, 256):
+        for block in (4, 8):
+            q = _empty(batch, c.num_heads + 2 * c.num_kv_heads, d)[:, : c.num_heads]
+            out = _empty(batch, c.num_heads, d)
+            ints = torch.zeros(batch + 1, dtype=torch.int32)
+            plan = pd.plan(batch, c.num_kv_heads, block_pages=block)
+            assert (plan.splits > 1) == (batch < 256)
+            pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch], out,
+                            d**-0.5, plan)  # fmt: skip
+    compile_all(launches, 10)
+    assert len({_specialized(launch)[0] for launch in launches}) == 5
+
+
 def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:
     """A loop-carried value whose type changes in the loop: the interpreter
     runs it, the compiler refuses it; so must this check."""

@@ -4,10 +4,13 @@ For each batch size and context length, a KV pool shaped like the model's
 (page-major, random pages per request) is planned once per kernel variant,
 then ``--layers`` attention calls (one per layer, as a decode step makes them)
 are captured in a CUDA graph and the replay is timed on the device. A variant
-is a FlashInfer kernel (``cuda-core``: the decode kernel; ``fa2``/``fa3``: the
-tensor-core kernels through the prefill path), a KV split rule (``auto``: the
-plan's own, ``none``: one pass per request, ``N``: N pages per split) and the
-layout within a page (``NHD``: the pool's, ``HND``: heads outermost). Reports
+is a kernel (FlashInfer's ``cuda-core``: its decode kernel; ``fa2``/``fa3``:
+its tensor-core kernels through the prefill path; ``triton``/``triton-b8``:
+``engine.attention.paged_decode`` with K/V tiles of 4 or 8 pages), a KV split
+rule (``auto``: the plan's own, ``none``: one pass per request, ``N``: N pages
+per split for FlashInfer, N splits per request for Triton) and the layout
+within a page (``NHD``: the pool's, ``HND``: heads outermost; Triton reads
+``NHD`` only). Reports
 GPU ms per step and the KV read rate, so that the kernel and split the engine
 uses can be set from a measurement::
 
@@ -19,6 +22,8 @@ uses can be set from a measurement::
         --between-gemm 28672 4096     # the calls between compute-bound products
     python -m benchmarks.kernels.bench_attention --kv-dtype fp8_e4m3 --batch-sizes 64 256 \\
         --variants fa2:auto:NHD cuda-core:auto:NHD fa2:none:NHD   # e4m3 pages, bf16 queries
+    python -m benchmarks.kernels.bench_attention --kv-dtype fp8_e4m3 --batch-sizes 1 64 256 \\
+        --pool-layers 32 --q-in-qkv --variants fa2:auto:NHD triton:auto:NHD triton-b8:auto:NHD
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import torch
 
 from benchmarks.common import machine, write_record
 
-KERNELS = ("cuda-core", "fa2", "fa3")
+KERNELS = ("cuda-core", "fa2", "fa3", "triton", "triton-b8")
+TRITON_BLOCK_PAGES = {"triton": 4, "triton-b8": 8}
 Q_DTYPE = torch.bfloat16
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 LAYOUTS = ("NHD", "HND")
@@ -57,6 +63,10 @@ class Variant(NamedTuple):
             raise argparse.ArgumentTypeError(f"{text!r}: split is auto, none or a page count")
         if layout not in LAYOUTS:
             raise argparse.ArgumentTypeError(f"{text!r}: layout is NHD or HND")
+        if kernel in TRITON_BLOCK_PAGES and layout != "NHD":
+            raise argparse.ArgumentTypeError(f"{text!r}: the Triton kernel reads NHD pages")
+        if kernel in TRITON_BLOCK_PAGES and split.isdigit() and not 1 <= int(split) <= 32:
+            raise argparse.ArgumentTypeError(f"{text!r}: Triton splits are 1 to 32")
         return cls(kernel, split, layout)
 
     def __str__(self) -> str:
@@ -86,6 +96,124 @@ def time_kernel(
         indices = torch.randperm(num_pages - 1, generator=gen)[: batch_size * pages_per_req] + 1
     indptr = torch.arange(0, batch_size + 1, dtype=torch.int32) * pages_per_req
     last = torch.full((batch_size,), context - (pages_per_req - 1) * ps, dtype=torch.int32)
+    # The engine's q is a view into the fused QKV projection's output: its rows
+    # are (query + 2 x KV heads) x head_dim apart.
+    qkv_heads = args.num_heads + 2 * args.num_kv_heads if args.q_in_qkv else args.num_heads
+    qkv = torch.randn(batch_size, qkv_heads, args.head_dim, dtype=Q_DTYPE, device=device)
+    q = qkv[:, : args.num_heads]
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    if variant.kernel in TRITON_BLOCK_PAGES:
+        run = _triton_call(variant, batch_size, args, q, out, indptr, indices, last)
+    else:
+        run = _flashinfer_call(fi, variant, batch_size, args, q, out, indptr, indices, last)
+    caches = []
+    for layer in range(kv.shape[1]):
+        cache = (kv[:, layer, 0], kv[:, layer, 1])
+        if variant.layout == "HND":
+            # The same bytes read as [page, heads, tokens, dim]: what is timed
+            # is the access pattern, not the values.
+            cache = tuple(c.view(c.shape[0], args.num_kv_heads, ps, args.head_dim) for c in cache)
+        caches.append(cache)
+
+    gemm: tuple[torch.Tensor, torch.Tensor] | None = None
+    if args.between_gemm:
+        # A decoder layer's gate/up product at this batch between the calls,
+        # as the decode graph runs them (the tensor cores busy in between).
+        n, k = args.between_gemm
+        gemm = (
+            torch.randn(batch_size, k, dtype=Q_DTYPE, device=device),
+            torch.randn(n, k, dtype=Q_DTYPE, device=device) * 0.02,
+        )
+
+    def step() -> None:
+        for layer in range(args.layers):
+            if gemm is not None:
+                torch.nn.functional.linear(*gemm)
+            run(caches[layer % len(caches)])
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step()
+    times = []
+    for i in range(args.reps + 3):
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    if gemm is None:
+        return statistics.median(times)
+    # With products in between, the attention's own kernels are timed from a
+    # profile of one replay.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize(device)
+    own = ("split_attend", "merge") if variant.kernel in TRITON_BLOCK_PAGES else ("flashinfer",)
+    return (
+        sum(
+            e.device_time_total
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and any(n in e.name for n in own)
+        )
+        / 1e3
+    )
+
+
+def _triton_call(
+    variant: Variant,
+    batch_size: int,
+    args: argparse.Namespace,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last: torch.Tensor,
+) -> Any:
+    """One layer's call of the engine's Triton decode attention, planned."""
+    from engine.attention import paged_decode as pd
+
+    device = q.device
+    block = TRITON_BLOCK_PAGES[variant.kernel]
+    decode_plan = pd.plan(batch_size, args.num_kv_heads, block_pages=block)
+    if variant.split != "auto":
+        decode_plan = decode_plan._replace(
+            splits=1 if variant.split == "none" else int(variant.split)
+        )
+    scratch = pd.scratch_for(batch_size, args.num_heads, args.head_dim, decode_plan.splits, device)
+    table = (indptr.to(device), indices.to(torch.int32).to(device), last.to(device))
+    sm_scale = args.head_dim**-0.5
+
+    def run(cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        pd.paged_decode(q, *cache, *table, out, sm_scale, decode_plan, scratch)
+
+    return run
+
+
+def _flashinfer_call(
+    fi: Any,
+    variant: Variant,
+    batch_size: int,
+    args: argparse.Namespace,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last: torch.Tensor,
+) -> Any:
+    """One layer's call of a FlashInfer decode wrapper, planned."""
+    device = q.device
+    ps = args.page_size
+    kv_dtype = KV_DTYPES[args.kv_dtype]
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
     buffers = (
         torch.empty(batch_size + 1, dtype=torch.int32, device=device),
@@ -117,75 +245,14 @@ def time_kernel(
         args.head_dim,
         ps,
         q_data_type=Q_DTYPE,
-        kv_data_type=kv.dtype,
+        kv_data_type=kv_dtype,
         **split,
     )
-    # The engine's q is a view into the fused QKV projection's output: its rows
-    # are (query + 2 x KV heads) x head_dim apart.
-    qkv_heads = args.num_heads + 2 * args.num_kv_heads if args.q_in_qkv else args.num_heads
-    qkv = torch.randn(batch_size, qkv_heads, args.head_dim, dtype=Q_DTYPE, device=device)
-    q = qkv[:, : args.num_heads]
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    caches = []
-    for layer in range(kv.shape[1]):
-        cache = (kv[:, layer, 0], kv[:, layer, 1])
-        if variant.layout == "HND":
-            # The same bytes read as [page, heads, tokens, dim]: what is timed
-            # is the access pattern, not the values.
-            cache = tuple(c.view(c.shape[0], args.num_kv_heads, ps, args.head_dim) for c in cache)
-        caches.append(cache)
 
-    gemm: tuple[torch.Tensor, torch.Tensor] | None = None
-    if args.between_gemm:
-        # A decoder layer's gate/up product at this batch between the calls,
-        # as the decode graph runs them (the tensor cores busy in between).
-        n, k = args.between_gemm
-        gemm = (
-            torch.randn(batch_size, k, dtype=Q_DTYPE, device=device),
-            torch.randn(n, k, dtype=Q_DTYPE, device=device) * 0.02,
-        )
+    def run(cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        wrapper.run(q, cache, out=out)
 
-    def step() -> None:
-        for layer in range(args.layers):
-            if gemm is not None:
-                torch.nn.functional.linear(*gemm)
-            wrapper.run(q, caches[layer % len(caches)], out=out)
-
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the graph
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        step()
-    times = []
-    for i in range(args.reps + 3):
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    if gemm is None:
-        return statistics.median(times)
-    # With products in between, the attention's own kernels are timed from a
-    # profile of one replay.
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize(device)
-    return (
-        sum(
-            e.device_time_total
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and "flashinfer" in e.name
-        )
-        / 1e3
-    )
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,10 @@ ATTENTION_BACKENDS: dict[str, str] = {
 }
 """Name -> "module:Class" of the backend."""
 
+DECODE_KERNELS = ("flashinfer", "triton")
+"""Decode attention kernels of the flashinfer backend: FlashInfer's own, or
+``engine.attention.paged_decode`` (Triton) over the same pages."""
+
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered as ``name`` (imports its module)."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib.util
 import itertools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from engine.attention import rope_kv_write
+from engine.attention import paged_decode, rope_kv_write
 from engine.attention.base import AttentionBackend
 from engine.attention.rope_kv_write import AppendIndex, QKPrologue
 from engine.forward_batch import ForwardBatch
@@ -50,6 +50,17 @@ def flashinfer_usable(device: str, dtype: torch.dtype, head_dim: int) -> bool:
         and head_dim in KERNEL_HEAD_DIMS
         and importlib.util.find_spec("flashinfer") is not None
     )
+
+
+class TritonDecode(NamedTuple):
+    """A forward's decode rows on ``engine.attention.paged_decode``: the
+    plan and the page table (int32, on the device) it reads."""
+
+    plan: paged_decode.DecodePlan
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    scratch: paged_decode.Scratch | None
 
 
 class _PlanSlot:
@@ -126,10 +137,14 @@ class FlashInferAttention(AttentionBackend):
         head_dim: int,
         q_dtype: torch.dtype | None = None,
         fuse_prologue: bool = False,
+        decode_kernel: str = "flashinfer",
     ) -> None:
         """``fuse_prologue``: layers hand their q/k norms, rotary embedding and
         KV scales to ``forward_fused``, which runs them with the KV write as
-        one kernel (``engine.attention.rope_kv_write``)."""
+        one kernel (``engine.attention.rope_kv_write``). ``decode_kernel``:
+        "triton" runs decode rows (a decode batch, a graph's, a mixed batch's
+        leading ones) on ``engine.attention.paged_decode`` instead of
+        FlashInfer's decode kernel; prefill rows stay on FlashInfer's."""
         super().__init__(pool, num_heads, num_kv_heads, head_dim, q_dtype)
         self.fuses_prologue = fuse_prologue and rope_kv_write.supports(head_dim)
         try:
@@ -165,6 +180,12 @@ class FlashInferAttention(AttentionBackend):
         self._wrapper: Any = None
         self._num_decode_rows = 0
         """Leading rows of a mixed batch that run on the decode kernel (0: none)."""
+        self._triton_decode = decode_kernel == "triton"
+        self._triton: TritonDecode | None = None
+        """This forward's decode rows on the Triton kernel (None: on FlashInfer's)."""
+        self._graph_scratch: dict[int, paged_decode.Scratch | None] = {}
+        """Batch size -> the Triton kernel's split scratch in its graphs (every
+        slot's: the forwards that use it run one after another on one stream)."""
 
     # -- planning
 
@@ -222,7 +243,12 @@ class FlashInferAttention(AttentionBackend):
             last_page_len=dev[2],
         )
         self._num_decode_rows = 0
+        self._triton = None
         if batch.is_decode:
+            if self._triton_decode:
+                self._triton = self._triton_rows(len(last_len), dev[1], dev[0], dev[2], None)
+                self._wrapper = None
+                return
             args, kwargs = self._plan_args(indptr, dev[0], last_len)
             slot.decode.plan(*args, **kwargs)
             self._wrapper = slot.decode
@@ -233,7 +259,10 @@ class FlashInferAttention(AttentionBackend):
         # such tiles cost several times what the decode kernel takes for them.
         d = _leading_ones(batch.extend_lens)
         split = indptr[d]
-        if d:
+        if d and self._triton_decode:
+            self._triton = self._triton_rows(d, dev[1][: d + 1], dev[0], dev[2][:d], None)
+            self._num_decode_rows = d
+        elif d:
             args, kwargs = self._plan_args(indptr[: d + 1], dev[0][:split], last_len[:d])
             slot.decode.plan(*args, **kwargs)
             self._num_decode_rows = d
@@ -256,13 +285,50 @@ class FlashInferAttention(AttentionBackend):
         s = self._take_slot(slot)
         wrapper, index = s.graph_wrapper(batch.num_requests, max_pages)
         indptr, indices, last_len = self._page_table(batch)
+        self._num_decode_rows = 0
+        self._triton = None
+        index.positions.copy_(batch.positions)
+        self._append = index
+        if self._triton_decode:
+            # The graph's kernels read the slot's fixed buffers: the page table
+            # goes there (FlashInfer's plan() would have put it there too).
+            dev = _to_device([indices, indptr, last_len], self.pool.kv.device)
+            index.indices[: len(indices)].copy_(dev[0])
+            index.indptr.copy_(dev[1])
+            index.last_page_len.copy_(dev[2])
+            n = batch.num_requests
+            if n not in self._graph_scratch:
+                splits = paged_decode.plan(n, self.num_kv_heads).splits
+                self._graph_scratch[n] = paged_decode.scratch_for(
+                    n, self.num_heads, self.head_dim, splits, self.pool.kv.device
+                )
+            self._triton = self._triton_rows(
+                n, index.indptr, index.indices, index.last_page_len, self._graph_scratch[n]
+            )
+            self._wrapper = None
+            return
         device_indices = _to_device([indices], self.pool.kv.device)[0]
         args, kwargs = self._plan_args(indptr, device_indices, last_len)
         wrapper.plan(*args, **kwargs)
-        self._num_decode_rows = 0
-        index.positions.copy_(batch.positions)
-        self._append = index
         self._wrapper = wrapper
+
+    def _triton_rows(
+        self,
+        rows: int,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_len: torch.Tensor,
+        scratch: paged_decode.Scratch | None,
+    ) -> TritonDecode:
+        """The plan of ``rows`` decode rows and its split scratch: ``scratch``
+        (a graph's, kept for its replays) or one for this forward's layers."""
+        plan = paged_decode.plan(rows, self.num_kv_heads)
+        if scratch is None:
+            device = self.pool.kv.device
+            scratch = paged_decode.scratch_for(
+                rows, self.num_heads, self.head_dim, plan.splits, device
+            )
+        return TritonDecode(plan, indptr, indices, last_len, scratch)
 
     def next_slot(self) -> int:
         """The slot the next forward plans into (graphs are captured per slot)."""
@@ -296,13 +362,25 @@ class FlashInferAttention(AttentionBackend):
     def _attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # q may be a strided view into the QKV projection: the kernels take its
         # row and head strides.
+        if self._wrapper is None:  # a decode batch on the Triton kernel
+            return self._decode_rows(q, cache, q.new_empty(q.shape))
         d = self._num_decode_rows
         if not d:
             return self._wrapper.run(q, cache)
         out = q.new_empty(q.shape)
-        self._current.decode.run(q[:d], cache, out=out[:d])
+        self._decode_rows(q[:d], cache, out[:d])
         self._wrapper.run(q[d:], cache, out=out[d:])
         return out
+
+    def _decode_rows(
+        self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor
+    ) -> torch.Tensor:
+        t = self._triton
+        if t is None:
+            return self._current.decode.run(q, cache, out=out)
+        return paged_decode.paged_decode(
+            q, *cache, t.indptr, t.indices, t.last_page_len, out, self.scale, t.plan, t.scratch
+        )
 
 
 def _leading_ones(extend_lens: list[int]) -> int:

@@ -1,0 +1,257 @@
+"""Decode attention over the paged KV pool in Triton (CUDA): one query row per
+request, bf16/fp16 queries, pages in the model's dtype or in e4m3.
+
+Decode attention is bound by the bytes of K and V it reads; e4m3 pages halve
+them. Each program takes one request, one KV head and one split of the
+request's pages, and computes the attention of the KV head's whole group of
+query heads (``G`` = query heads per KV head, padded to the matrix units'
+16 rows) over that split with an online softmax: ``S = Q K^T`` and ``O += P V``
+on the tensor cores, K and V tiles of ``block_pages`` pages gathered through the
+page table and widened in registers (e4m3 to fp16, exactly). So each K/V byte
+is read once per step, by the one program of its head and split.
+
+With one split a program writes its rows of the output. With more, each
+writes its rows' partial result (normalized) and log-sum-exp (base 2) to
+scratch and a second kernel merges the splits: ``out = sum_s w_s o_s / sum_s
+w_s`` with ``w_s = 2^(lse_s - max lse)``. The number of splits depends on the
+batch size alone (``plan``), never on the context, so a CUDA graph captured
+for a batch size replays for every context: a split's pages are computed on
+the device from the request's page count, and a split past the end writes a
+weight of zero.
+
+Scales: the scores are ``sm_scale * k_scale * q . k`` (``k_scale`` is the
+checkpoint's K scale of an e4m3 pool, 1 otherwise), the output is multiplied
+by ``v_scale``.
+
+The page table is FlashInfer's (``indptr``, ``indices``, ``last_page_len``,
+int32 on the device), the caches ``KVPool.k_layer`` / ``v_layer`` views
+``[num_pages, page_size, kv_heads, head_dim]`` with any page stride (the pool's
+spans every layer: offsets are 64-bit).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, NamedTuple
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+MAX_SPLITS = 32
+"""Splits of one request's pages at batch 1 (a power of two); the merge
+kernel's tile."""
+SPLIT_TARGET_PROGRAMS = 264
+"""Programs a step aims for when splitting: two per SM of an H200 (132)."""
+
+
+class DecodePlan(NamedTuple):
+    """How a batch's attention is split and tiled."""
+
+    splits: int
+    """Splits of each request's pages (a power of two)."""
+    block_pages: int = 4
+    """Pages per K/V tile (16-token pages: 64 tokens)."""
+    warps: int = 4
+    stages: int = 2
+
+
+def plan(batch_size: int, num_kv_heads: int, block_pages: int = 4) -> DecodePlan:
+    """Splits for ``batch_size`` requests: enough programs to fill the GPU
+    (``SPLIT_TARGET_PROGRAMS``), at most ``MAX_SPLITS``; one where the batch
+    alone fills it."""
+    programs = batch_size * num_kv_heads
+    splits = 1
+    while splits < MAX_SPLITS and programs * splits < SPLIT_TARGET_PROGRAMS:
+        splits *= 2
+    return DecodePlan(splits, block_pages, warps=8 if block_pages >= 8 else 4)
+
+
+def group_rows(num_heads: int, num_kv_heads: int) -> int:
+    """Query rows of a program: the group, padded to 16 (a power of two)."""
+    group = num_heads // num_kv_heads
+    return max(16, 1 << (group - 1).bit_length())
+
+
+@cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    # The split count is an argument, not a constant: one binary serves every
+    # batch size's plan (DIRECT: one split, the output written here).
+    @triton.jit(do_not_specialize=["stride_qb", "stride_ob", "splits"])
+    def split_attend(q, k, v, indptr, indices, last_len, out, part_o, part_lse,
+                     stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
+                     stride_vp, stride_vt, stride_vh, stride_ob, stride_oh,
+                     qk_scale, v_scale, splits,
+                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                     PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, DIRECT: tl.constexpr,
+                     COMPUTE: tl.constexpr):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        BLOCK_N: tl.constexpr = BLOCK_PAGES * PAGE
+        first = tl.load(indptr + b)
+        n_pages = tl.load(indptr + b + 1) - first
+        seq = (n_pages - 1) * PAGE + tl.load(last_len + b)
+        per_split = tl.cdiv(n_pages, splits)
+        lo = s * per_split
+        hi = tl.minimum(lo + per_split, n_pages)
+
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        heads = h * G + g
+        g_ok = g < G
+        qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                     mask=g_ok[:, None], other=0.0).to(COMPUTE)  # fmt: skip
+
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        den = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        t = tl.arange(0, BLOCK_N)
+        for p0 in range(lo, hi, BLOCK_PAGES):
+            page_i = p0 + t // PAGE
+            slot = t % PAGE
+            ok = (page_i < hi) & (page_i * PAGE + slot < seq)
+            page = tl.load(indices + first + page_i, mask=page_i < hi, other=0).to(tl.int64)
+            kt = tl.load(k + page[:, None] * stride_kp + slot[:, None] * stride_kt
+                         + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+            scores = tl.dot(qv, tl.trans(kt.to(COMPUTE))) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            # The first tile of a split holds a token (a page holds one at
+            # least): m is finite from here on, and no exp2(-inf - -inf).
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            den = den * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                         + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vt.to(COMPUTE))
+            m = m_new
+
+        if DIRECT:
+            o = acc / den[:, None] * v_scale
+            tl.store(out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     o.to(out.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
+        else:
+            # Partials [batch, heads, splits, (D)]: normalized, with their
+            # log-sum-exp; an empty split (past the request's pages) -inf.
+            row = (b * tl.num_programs(1) * G + heads) * splits + s
+            has = lo < hi
+            o = tl.where(has, acc / tl.where(has, den, 1.0)[:, None], 0.0)
+            lse = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
+            tl.store(part_o + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
+            tl.store(part_lse + row, lse, mask=g_ok)
+
+    @triton.jit(do_not_specialize=["stride_ob", "splits"])
+    def merge(part_o, part_lse, out, stride_ob, stride_oh, v_scale, H, splits,
+              D: tl.constexpr, S_PAD: tl.constexpr):  # fmt: skip
+        b = tl.program_id(0)
+        hq = tl.program_id(1)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        ok = s < splits
+        row = (b * H + hq) * splits + s
+        lse = tl.load(part_lse + row, mask=ok, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds pages: max finite
+        o = tl.load(part_o + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0) * v_scale
+        tl.store(out + b * stride_ob + hq * stride_oh + d, o.to(out.dtype.element_ty))
+
+    return split_attend, merge
+
+
+class Scratch(NamedTuple):
+    """The splits' partial outputs ``[rows, D]`` and log-sum-exps ``[rows]``
+    (float32; rows = batch x query heads x splits)."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+
+
+def scratch_for(
+    batch_size: int, num_heads: int, head_dim: int, splits: int, device: torch.device
+) -> Scratch | None:
+    if splits == 1:
+        return None
+    rows = batch_size * num_heads * splits
+    return Scratch(
+        torch.empty(rows, head_dim, dtype=torch.float32, device=device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )
+
+
+def check(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> None:
+    """Refuse, with the reason, what the kernel does not take."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.stride(-1) != 1:
+        raise ValueError(f"queries must be bf16/fp16 with contiguous rows, got {q.dtype}")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if k_cache.dtype not in (q.dtype, E4M3) or k_cache.stride(-1) != 1:
+        raise ValueError(f"pages must be {q.dtype} or e4m3 with contiguous rows")
+    page_size = k_cache.shape[1]
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+    decode_plan: DecodePlan,
+    scratch: Scratch | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[batch, heads, head_dim]`` (one row per request)
+    over its pages, into ``out`` (same shape; rows may be strided). With
+    ``decode_plan.splits > 1`` ``scratch`` (``scratch_for``) holds the
+    partials; None allocates it."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    check(q, k_cache, num_kv_heads)
+    group = num_heads // num_kv_heads
+    splits = decode_plan.splits
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+    if splits > 1 and scratch is None:
+        scratch = scratch_for(batch, num_heads, head_dim, splits, q.device)
+    parts = scratch or Scratch(out, out)
+    compute = _compute_dtype(q.dtype, k_cache.dtype)
+    split_attend, merge = _kernels()
+    log2e = 1.4426950408889634
+    split_attend[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, indptr, indices, last_page_len, out, parts.o, parts.lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        sm_scale * k_scale * log2e, v_scale, splits,
+        G=group, G_PAD=group_rows(num_heads, num_kv_heads), D=head_dim,
+        PAGE=k_cache.shape[1], BLOCK_PAGES=decode_plan.block_pages, DIRECT=splits == 1,
+        COMPUTE=compute,
+        num_warps=decode_plan.warps, num_stages=decode_plan.stages,
+    )  # fmt: skip
+    if splits > 1:
+        merge[(batch, num_heads)](
+            parts.o, parts.lse, out, out.stride(0), out.stride(1), v_scale, num_heads, splits,
+            D=head_dim, S_PAD=MAX_SPLITS, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
+    """The tensor cores' operand type: fp16 over e4m3 pages (e4m3 widens to
+    fp16 exactly in one instruction; the queries and probabilities fit its
+    range), the queries' type otherwise."""
+    import triton.language as tl
+
+    if kv_dtype == E4M3 or q_dtype == torch.float16:
+        return tl.float16
+    return tl.bfloat16

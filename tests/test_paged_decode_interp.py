@@ -1,0 +1,198 @@
+"""Decode attention over paged KV in Triton (``engine.attention.paged_decode``)
+under Triton's interpreter (no GPU needed), against attention in float64 over
+the same pages (e4m3 pages dequantized): every request's pages scattered over
+a pool whose pages hold several layers, lengths from one token to past a
+split, groups of 1, 4 and 6 query heads per KV head, one split and many
+(more than a short request has pages), K/V scales, queries and outputs as
+strided views. fp16 queries: the interpreter truncates float32 to bf16 where
+the GPU rounds (bf16 runs in tests/test_paged_decode_gpu.py).
+
+The interpreter must be chosen before triton is first imported, so these run
+in a child process started with ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from triton_interp import interpreted, parent_only, run_interpreted
+
+from engine.attention.paged_decode import DecodePlan, group_rows, plan
+from engine.kvcache.pool import KV_FP8, KVPool, KVPoolConfig
+
+PAGE_SIZE, LAYERS, LAYER = 4, 3, 1
+LENGTHS = [1, 4, 5, 23, 64]
+"""Tokens per request: one, a full page, a page and one, many tiles."""
+
+
+@parent_only
+def test_kernel_under_the_interpreter() -> None:
+    run_interpreted(__file__, timeout_s=900)
+
+
+def _pages(lengths: list[int], num_pages: int, seed: int) -> list[list[int]]:
+    """Distinct random pages per request (page 0 is the pool's scratch page)."""
+    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    tables, used = [], 0
+    for n in lengths:
+        count = -(-n // PAGE_SIZE)
+        tables.append(order[used : used + count].tolist())
+        used += count
+    return tables
+
+
+def _index(lengths: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """FlashInfer's page table: indptr, indices, last_page_len (int32)."""
+    indptr, indices, last = [0], [], []
+    for n, table in zip(lengths, tables, strict=True):
+        indices += table
+        indptr.append(len(indices))
+        last.append(n - (len(table) - 1) * PAGE_SIZE)
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32)
+
+    return i32(indptr), i32(indices), i32(last)
+
+
+def _reference(
+    q: torch.Tensor,
+    pool: KVPool,
+    lengths: list[int],
+    tables: list[list[int]],
+    sm_scale: float,
+    scales: tuple[float, float],
+) -> torch.Tensor:
+    """float64 attention of each request's query row over its tokens."""
+    heads = q.shape[1]
+    kv_heads = pool.config.num_kv_heads
+    k_all, v_all = pool.k_layer(LAYER).double(), pool.v_layer(LAYER).double()
+    out = []
+    for b, (n, table) in enumerate(zip(lengths, tables, strict=True)):
+        page = torch.tensor(table)
+        k = k_all[page].reshape(-1, kv_heads, k_all.shape[-1])[:n] * scales[0]
+        v = v_all[page].reshape(-1, kv_heads, v_all.shape[-1])[:n] * scales[1]
+        k = k.repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, D]
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * sm_scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@interpreted
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 32), (2, 2, 16), (12, 2, 32)])
+@pytest.mark.parametrize("kv_dtype", [torch.float16, KV_FP8])
+@pytest.mark.parametrize(("splits", "block_pages"), [(1, 2), (4, 1), (32, 2)])
+def test_matches_float64_attention_over_the_same_pages(
+    heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype, splits: int, block_pages: int
+) -> None:
+    from engine.attention.paged_decode import paged_decode
+
+    g = torch.Generator().manual_seed(heads + head_dim + splits)
+    num_pages = sum(-(-n // PAGE_SIZE) for n in LENGTHS) + 5
+    pool = KVPool(KVPoolConfig(num_pages, PAGE_SIZE, LAYERS, kv_heads, head_dim, dtype=kv_dtype))
+    pool.kv.copy_((torch.randn(pool.kv.shape, generator=g) * 2).to(kv_dtype))
+    tables = _pages(LENGTHS, num_pages, seed=splits)
+    indptr, indices, last = _index(LENGTHS, tables)
+    batch = len(LENGTHS)
+    # q a view into a fused QKV projection's output; out strided likewise.
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, generator=g).to(torch.float16)
+    q = qkv[:, :heads]
+    out_buf = torch.full((batch, heads + 3, head_dim), 7.0, dtype=torch.float16)
+    out = out_buf[:, 1 : heads + 1]
+    scales = (0.5, 2.0) if kv_dtype == KV_FP8 else (1.0, 1.0)
+    sm_scale = 1 / math.sqrt(head_dim)
+    decode_plan = DecodePlan(splits, block_pages)
+    paged_decode(q, pool.k_layer(LAYER), pool.v_layer(LAYER), indptr, indices, last, out,
+                 sm_scale, decode_plan, k_scale=scales[0], v_scale=scales[1])  # fmt: skip
+    ref = _reference(q, pool, LENGTHS, tables, sm_scale, scales)
+    # Probabilities rounded to fp16 (2^-11) for the second product, sums in float32.
+    err = (out.double() - ref).abs()
+    assert err.max().item() < 4e-3 * ref.abs().max().item(), err.max().item()
+    assert (err.norm() / ref.norm()).item() < 1.5e-3
+    # The rows around the output's view are untouched.
+    assert (out_buf[:, 0] == 7).all() and (out_buf[:, heads + 1 :] == 7).all()
+
+
+@interpreted
+def test_a_longer_context_replays_with_the_same_plan() -> None:
+    """A split's pages are found on the device: the plan chosen for a batch
+    size serves contexts of any length (as a CUDA graph replays it), and
+    one token of difference in the length shows in the output."""
+    from engine.attention.paged_decode import paged_decode
+
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(KVPoolConfig(40, PAGE_SIZE, LAYERS, 1, 16, dtype=torch.float16))
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=g).to(torch.float16))
+    q = torch.randn(1, 4, 16, generator=g).to(torch.float16)
+    decode_plan = plan(1, 1)
+    assert decode_plan.splits == 32
+    outs = []
+    for n in (3, 100, 101):
+        tables = [list(range(1, 1 + -(-n // PAGE_SIZE)))]
+        out = torch.empty_like(q)
+        paged_decode(q, pool.k_layer(LAYER), pool.v_layer(LAYER), *_index([n], tables), out,
+                     0.25, decode_plan)  # fmt: skip
+        ref = _reference(q, pool, [n], tables, 0.25, (1.0, 1.0))
+        assert (out.double() - ref).abs().max().item() < 4e-3 * ref.abs().max().item()
+        outs.append(out)
+    assert not torch.equal(outs[1], outs[2])
+
+
+def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
+    assert [plan(b, 8).splits for b in (1, 2, 4, 8, 16, 32, 33, 256)] == [32, 32, 16, 8, 4, 2, 1, 1]
+    assert plan(1, 1).splits == 32  # at most MAX_SPLITS
+    assert (plan(4, 8, block_pages=8).warps, plan(4, 8).warps) == (8, 4)
+    assert [group_rows(h, 8) for h in (8, 32, 64, 256)] == [16, 16, 16, 32]
+    assert group_rows(48, 8) == 16  # a group of 6
+
+
+def test_refuses_what_it_cannot_take() -> None:
+    from engine.attention.paged_decode import check
+
+    pool = KVPool(KVPoolConfig(4, PAGE_SIZE, 1, 2, 32, dtype=torch.float16))
+    q = torch.zeros(1, 4, 32, dtype=torch.float16)
+    check(q, pool.k_layer(0), 2)  # accepted
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        check(q.float(), pool.k_layer(0), 2)
+    with pytest.raises(ValueError, match="do not group"):
+        check(torch.zeros(1, 3, 32, dtype=torch.float16), pool.k_layer(0), 2)
+    with pytest.raises(ValueError, match="pages must be"):
+        check(q.bfloat16(), pool.k_layer(0), 2)
+    odd = KVPool(KVPoolConfig(4, PAGE_SIZE, 1, 2, 48, dtype=torch.float16))
+    with pytest.raises(ValueError, match="power of two"):
+        check(torch.zeros(1, 4, 48, dtype=torch.float16), odd.k_layer(0), 2)
+    three = KVPool(KVPoolConfig(4, 3, 1, 2, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="page_size"):
+        check(q, three.k_layer(0), 2)
+    from engine.attention.paged_decode import paged_decode
+
+    ints = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="splits must be in"):
+        paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:1], q.clone(), 1.0,
+                     DecodePlan(64))  # fmt: skip
+
+
+def test_the_triton_decode_kernel_needs_flashinfer_attention() -> None:
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
+
+    mc = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 128,
+        },
+        dtype=torch.float32,
+    )
+    cfg = EngineConfig(load_format="dummy", device="cpu", decode_kernel="triton")
+    with pytest.raises(ValueError, match="decode_kernel 'triton' needs attention_backend"):
+        cfg.resolve(mc)
+    assert EngineConfig(load_format="dummy", device="cpu").resolve(mc).decode_kernel == "flashinfer"
+    with pytest.raises(ValueError, match="unknown decode_kernel"):
+        EngineConfig(decode_kernel="cutlass")
