@@ -5,8 +5,10 @@ For each batch size and context length, a KV pool shaped like the model's
 then ``--layers`` attention calls (one per layer, as a decode step makes them)
 are captured in a CUDA graph and the replay is timed on the device. A variant
 is a kernel (FlashInfer's ``cuda-core``: its decode kernel; ``fa2``/``fa3``:
-its tensor-core kernels through the prefill path; ``triton``/``triton-b8``:
-``engine.attention.paged_decode`` with K/V tiles of 4 or 8 pages), a KV split
+its tensor-core kernels through the prefill path; ``triton``:
+``engine.attention.paged_decode`` as the engine plans it, K/V tiles of 4 pages,
+4 warps, 2 stages; ``triton-b2``: tiles of 2 pages; ``triton-b8``: of 8 pages,
+8 warps; ``triton-s3``: 3 stages), a KV split
 rule (``auto``: the plan's own, ``none``: one pass per request, ``N``: N pages
 per split for FlashInfer, N splits per request for Triton) and the layout
 within a page (``NHD``: the pool's, ``HND``: heads outermost; Triton reads
@@ -23,7 +25,8 @@ uses can be set from a measurement::
     python -m benchmarks.kernels.bench_attention --kv-dtype fp8_e4m3 --batch-sizes 64 256 \\
         --variants fa2:auto:NHD cuda-core:auto:NHD fa2:none:NHD   # e4m3 pages, bf16 queries
     python -m benchmarks.kernels.bench_attention --kv-dtype fp8_e4m3 --batch-sizes 1 64 256 \\
-        --pool-layers 32 --q-in-qkv --variants fa2:auto:NHD triton:auto:NHD triton-b8:auto:NHD
+        --pool-layers 32 --q-in-qkv --variants fa2:auto:NHD triton:auto:NHD triton-b8:auto:NHD \\
+        triton-b2:auto:NHD triton-s3:auto:NHD
 """
 
 from __future__ import annotations
@@ -38,8 +41,14 @@ import torch
 
 from benchmarks.common import machine, write_record
 
-KERNELS = ("cuda-core", "fa2", "fa3", "triton", "triton-b8")
-TRITON_BLOCK_PAGES = {"triton": 4, "triton-b8": 8}
+TRITON_TILES = {
+    "triton": (4, 4, 2),
+    "triton-b2": (2, 4, 2),
+    "triton-b8": (8, 8, 2),
+    "triton-s3": (4, 4, 3),
+}
+"""Triton variant -> (pages per K/V tile, warps, stages)."""
+KERNELS = ("cuda-core", "fa2", "fa3", *TRITON_TILES)
 Q_DTYPE = torch.bfloat16
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 LAYOUTS = ("NHD", "HND")
@@ -63,9 +72,9 @@ class Variant(NamedTuple):
             raise argparse.ArgumentTypeError(f"{text!r}: split is auto, none or a page count")
         if layout not in LAYOUTS:
             raise argparse.ArgumentTypeError(f"{text!r}: layout is NHD or HND")
-        if kernel in TRITON_BLOCK_PAGES and layout != "NHD":
+        if kernel in TRITON_TILES and layout != "NHD":
             raise argparse.ArgumentTypeError(f"{text!r}: the Triton kernel reads NHD pages")
-        if kernel in TRITON_BLOCK_PAGES and split.isdigit() and not 1 <= int(split) <= 32:
+        if kernel in TRITON_TILES and split.isdigit() and not 1 <= int(split) <= 32:
             raise argparse.ArgumentTypeError(f"{text!r}: Triton splits are 1 to 32")
         return cls(kernel, split, layout)
 
@@ -102,7 +111,7 @@ def time_kernel(
     qkv = torch.randn(batch_size, qkv_heads, args.head_dim, dtype=Q_DTYPE, device=device)
     q = qkv[:, : args.num_heads]
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    if variant.kernel in TRITON_BLOCK_PAGES:
+    if variant.kernel in TRITON_TILES:
         run = _triton_call(variant, batch_size, args, q, out, indptr, indices, last)
     else:
         run = _flashinfer_call(fi, variant, batch_size, args, q, out, indptr, indices, last)
@@ -158,7 +167,7 @@ def time_kernel(
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize(device)
-    own = ("split_attend", "merge") if variant.kernel in TRITON_BLOCK_PAGES else ("flashinfer",)
+    own = ("split_attend", "merge") if variant.kernel in TRITON_TILES else ("flashinfer",)
     return (
         sum(
             e.device_time_total
@@ -183,12 +192,11 @@ def _triton_call(
     from engine.attention import paged_decode as pd
 
     device = q.device
-    block = TRITON_BLOCK_PAGES[variant.kernel]
-    decode_plan = pd.plan(batch_size, args.num_kv_heads, block_pages=block)
+    block, warps, stages = TRITON_TILES[variant.kernel]
+    splits = pd.plan(batch_size, args.num_kv_heads).splits
     if variant.split != "auto":
-        decode_plan = decode_plan._replace(
-            splits=1 if variant.split == "none" else int(variant.split)
-        )
+        splits = 1 if variant.split == "none" else int(variant.split)
+    decode_plan = pd.DecodePlan(splits, block, warps, stages)
     scratch = pd.scratch_for(batch_size, args.num_heads, args.head_dim, decode_plan.splits, device)
     table = (indptr.to(device), indices.to(torch.int32).to(device), last.to(device))
     sm_scale = args.head_dim**-0.5
