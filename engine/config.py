@@ -325,6 +325,12 @@ class EngineConfig:
             raise ValueError(
                 f"decode_kernel {self.decode_kernel!r} needs attention_backend 'flashinfer'"
             )
+        if self.decode_kernel == "triton":
+            from engine.attention.paged_decode import shape_refusal
+
+            reason = shape_refusal(m.head_dim, self.page_size)
+            if reason:
+                raise ValueError(f"decode_kernel 'triton': {reason}")
         return replace(
             self,
             device=device,

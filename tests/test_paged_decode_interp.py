@@ -13,6 +13,7 @@ in a child process started with ``TRITON_INTERPRET=1``."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -178,21 +179,29 @@ def test_the_triton_decode_kernel_needs_flashinfer_attention() -> None:
     from engine.config import EngineConfig
     from engine.model_config import ModelConfig
 
-    mc = ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": 128,
-        },
-        dtype=torch.float32,
-    )
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 128,
+    }
+    mc = ModelConfig.from_dict(raw, dtype=torch.float32)
     cfg = EngineConfig(load_format="dummy", device="cpu", decode_kernel="triton")
     with pytest.raises(ValueError, match="decode_kernel 'triton' needs attention_backend"):
         cfg.resolve(mc)
     assert EngineConfig(load_format="dummy", device="cpu").resolve(mc).decode_kernel == "flashinfer"
     with pytest.raises(ValueError, match="unknown decode_kernel"):
         EngineConfig(decode_kernel="cutlass")
+    # Pages or heads the kernel cannot take are refused before anything loads.
+    on_flashinfer = EngineConfig(
+        load_format="dummy", device="cpu", attention_backend="flashinfer", decode_kernel="triton"
+    )
+    with pytest.raises(ValueError, match="'triton': page_size must be a power of two, got 12"):
+        replace(on_flashinfer, page_size=12).resolve(mc)
+    odd = ModelConfig.from_dict({**raw, "head_dim": 48}, dtype=torch.float32)
+    with pytest.raises(ValueError, match="'triton': head_dim must be a power of two"):
+        on_flashinfer.resolve(odd)
+    assert on_flashinfer.resolve(mc).decode_kernel == "triton"

@@ -181,20 +181,28 @@ def scratch_for(
     )
 
 
+def shape_refusal(head_dim: int, page_size: int) -> str | None:
+    """Why the kernel cannot take a model's heads or pages, or None (checked
+    when an engine's config is resolved, and on every call)."""
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim must be a power of two >= 16, got {head_dim}"
+    if page_size & (page_size - 1):
+        return f"page_size must be a power of two, got {page_size}"
+    return None
+
+
 def check(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> None:
     """Refuse, with the reason, what the kernel does not take."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or q.stride(-1) != 1:
         raise ValueError(f"queries must be bf16/fp16 with contiguous rows, got {q.dtype}")
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    reason = shape_refusal(head_dim, k_cache.shape[1])
+    if reason:
+        raise ValueError(reason)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     if k_cache.dtype not in (q.dtype, E4M3) or k_cache.stride(-1) != 1:
         raise ValueError(f"pages must be {q.dtype} or e4m3 with contiguous rows")
-    page_size = k_cache.shape[1]
-    if page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two, got {page_size}")
 
 
 def paged_decode(
