@@ -642,16 +642,20 @@ def direct_and_reference(model_dir: str) -> Iterator[tuple[App, App, list[str]]]
     themselves, and the same app with no direct routes (only FastAPI's)."""
     import gateway.app as app_module
 
-    served: list[str] = []
+    served = _Noted()
     real = app_module._direct_routes
 
     def noting(state: GatewayState) -> dict[str, Any]:
         def wrap(path: str, route: Any) -> Any:
             async def call(scope: Any, receive: Any, send: Any) -> Any:
-                passed_on = await route(scope, receive, send)
-                if passed_on is None:
-                    served.append(path)
-                return passed_on
+                served.in_flight += 1
+                try:
+                    passed_on = await route(scope, receive, send)
+                    if passed_on is None:
+                        served.append(path)
+                    return passed_on
+                finally:
+                    served.in_flight -= 1
 
             return call
 
@@ -677,6 +681,23 @@ def direct_and_reference(model_dir: str) -> Iterator[tuple[App, App, list[str]]]
         yield direct, reference, served
 
 
+class _Noted(list):
+    """The paths the direct routes served themselves, and how many of their
+    calls are still running (a call may outlive its response's last byte)."""
+
+    in_flight = 0
+
+
+def _fresh(served: list[str]) -> None:
+    """Forget what earlier tests' requests noted, once none of their direct
+    route calls is still running (one may note its path after its client has
+    read the whole response, and so after the next test began)."""
+    deadline = time.monotonic() + 10
+    while getattr(served, "in_flight", 0) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    served.clear()
+
+
 def _served(served: list[str], path: str | None) -> list[str]:
     """``served`` once the direct route that took ``path`` has returned (None:
     at once). The client may read the response's last bytes before the
@@ -696,7 +717,7 @@ def test_direct_routes_answer_as_fastapi_does(
     taken: str | None,
 ) -> None:
     direct, reference, served = direct_and_reference
-    served.clear()
+    _fresh(served)
     headers = {"content-type": ctype}
     got = direct.http.post(path, content=body, headers=headers)
     want = reference.http.post(path, content=body, headers=headers)
@@ -766,7 +787,7 @@ def test_direct_routes_stream_as_fastapi_does(
     """A streamed response's events, byte for byte but for its id and
     timestamp, and its refusals, are the same on both paths."""
     direct, reference, served = direct_and_reference
-    served.clear()
+    _fresh(served)
     got = direct.http.post(path, json=body)
     want = reference.http.post(path, json=body)
     assert _comparable(got) == _comparable(want)
