@@ -2,13 +2,17 @@
 
     python -m benchmarks.gpu_smoke [--model DIR_OR_PRESET] [--load-format dummy]
 
-Four deployments, one after the other (each stopped before the next starts):
+Four deployments, one after the other (each stopped before the next starts),
+and on CUDA a fifth:
 
   a  ``python -m gateway`` (embedded workers, built-in tiny model)
   b  ``python -m gateway --model M`` (embedded workers)
   c  ``python -m decode_server --role both --model M`` behind ``python -m gateway --decode URL``
   d  ``python -m prefill_server --model M`` and ``python -m decode_server --model M`` on one
      GPU behind ``python -m gateway --prefill URL --decode URL``
+  e  c's worker with every optional kernel on (``TUNED_FLAGS``: FP8 weights, e4m3 KV
+     pages, the fused layer prologue, the Triton decode attention), so a path
+     that only runs with those flags is served end to end too
 
 Each gets a chat completion, the same streamed, a ``json_schema`` request and
 ``GET /metrics``. In c and d the decode worker is then SIGKILLed (front and
@@ -82,6 +86,14 @@ def wait_ok(proc: Proc, path: str = "/health", timeout_s: float = START_TIMEOUT_
 
 # -- deployments -------------------------------------------------------------------
 
+TUNED_FLAGS = [
+    "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3",
+    "--fuse-rope-kv-write", "--decode-kernel", "triton",
+]  # fmt: skip
+"""Deployment e's worker flags: the engine's optional kernels, all on."""
+CUDA_ONLY = "e"
+"""Deployments whose flags need CUDA (FlashInfer attention)."""
+
 
 @dataclass
 class Setup:
@@ -148,8 +160,9 @@ def build(label: str, s: Setup) -> Deployment:
         return Deployment(label, [proc("gateway", [*gateway, *model_flags(s)])])
     worker_flags = [*model_flags(s), *device_flags(s)]
     gateway = py("gateway", "--host", "127.0.0.1")
-    if label == "c":
-        both = proc("both", py("decode_server", "--role", "both", *worker_flags))
+    if label in "ce":
+        tuned = TUNED_FLAGS if label == "e" else []
+        both = proc("both", py("decode_server", "--role", "both", *worker_flags, *tuned))
         return Deployment(label, [proc("gateway", [*gateway, "--decode", both.url]), both])
     prefill = proc("prefill", py("prefill_server", *worker_flags, *s.pd_flags))
     decode = proc("decode", py("decode_server", *worker_flags, *s.pd_flags))
@@ -445,13 +458,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the workers' --load-format (default: dummy for a preset, else theirs)",
     )
     ap.add_argument("--device", default="auto", help="the workers' --device (default: auto)")
-    ap.add_argument("--only", default="a,b,c,d", help="deployments to run (default: a,b,c,d)")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="deployments to run, of a,b,c,d,e (default: all; e on CUDA only)",
+    )
     ap.add_argument("--skip-pytest", action="store_true", help="do not run pytest -m gpu")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     args = ap.parse_args(argv)
-    args.only = [x for x in args.only.split(",") if x]
-    if not args.only or set(args.only) - set("abcd"):
-        ap.error(f"--only takes letters of a,b,c,d, got {args.only}")
+    if args.only is not None:
+        args.only = [x for x in args.only.split(",") if x]
+        if not args.only or set(args.only) - set("abcde"):
+            ap.error(f"--only takes letters of a,b,c,d,e, got {args.only}")
     return args
 
 
@@ -481,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
     cuda, gpu = probe_cuda(args.device)
+    if args.only is None:
+        args.only = list("abcde" if cuda else "abcd")
+    elif not cuda and set(args.only) & set(CUDA_ONLY):
+        print(f"deployment {CUDA_ONLY} needs CUDA: its kernels run on FlashInfer", file=sys.stderr)
+        return 2
     model, load_format = resolve_model(args, cuda)
     pd_flags = []
     if cuda and has_flag("decode_server", GPU_MEMORY_FLAG):

@@ -38,3 +38,13 @@ def test_gpu_smoke_on_cpu(tmp_path: Path) -> None:
     assert [r["name"] for r in record["results"]] == expected
     assert all(r["ok"] for r in record["results"])
     assert record["cuda"] is False and record["machine"]["hostname"]
+
+
+def test_the_tuned_deployment_is_refused_without_cuda() -> None:
+    """e's kernels need FlashInfer: without CUDA it is refused up front,
+    nothing started."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--device", "cpu", "--only", "a,e"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "deployment e needs CUDA" in proc.stderr
+    assert "== a" not in proc.stdout
