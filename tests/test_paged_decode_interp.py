@@ -144,6 +144,7 @@ def test_a_longer_context_replays_with_the_same_plan() -> None:
 def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert [plan(b, 8).splits for b in (1, 2, 4, 8, 16, 32, 33, 256)] == [32, 32, 16, 8, 4, 2, 1, 1]
     assert plan(1, 1).splits == 32  # at most MAX_SPLITS
+    assert [plan(b, 8, sms=16).splits for b in (1, 2, 4, 8)] == [4, 2, 1, 1]  # a smaller GPU
     assert (plan(4, 8, block_pages=8).warps, plan(4, 8).warps) == (8, 4)
     assert [group_rows(h, 8) for h in (8, 32, 64, 256)] == [16, 16, 16, 32]
     assert group_rows(48, 8) == 16  # a group of 6

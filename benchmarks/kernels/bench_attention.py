@@ -193,7 +193,8 @@ def _triton_call(
 
     device = q.device
     block, warps, stages = TRITON_TILES[variant.kernel]
-    splits = pd.plan(batch_size, args.num_kv_heads).splits
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = pd.plan(batch_size, args.num_kv_heads, sms=sms).splits
     if variant.split != "auto":
         splits = 1 if variant.split == "none" else int(variant.split)
     decode_plan = pd.DecodePlan(splits, block, warps, stages)

@@ -183,6 +183,8 @@ class FlashInferAttention(AttentionBackend):
         self._triton_decode = decode_kernel == "triton"
         self._triton: TritonDecode | None = None
         """This forward's decode rows on the Triton kernel (None: on FlashInfer's)."""
+        self._sms = torch.cuda.get_device_properties(pool.kv.device).multi_processor_count
+        """The GPU's SMs, which the Triton kernel's splits are planned to fill."""
         self._graph_scratch: dict[int, paged_decode.Scratch | None] = {}
         """Batch size -> the Triton kernel's split scratch in its graphs (every
         slot's: the forwards that use it run one after another on one stream)."""
@@ -298,7 +300,7 @@ class FlashInferAttention(AttentionBackend):
             index.last_page_len.copy_(dev[2])
             n = batch.num_requests
             if n not in self._graph_scratch:
-                splits = paged_decode.plan(n, self.num_kv_heads).splits
+                splits = paged_decode.plan(n, self.num_kv_heads, sms=self._sms).splits
                 self._graph_scratch[n] = paged_decode.scratch_for(
                     n, self.num_heads, self.head_dim, splits, self.pool.kv.device
                 )
@@ -322,7 +324,7 @@ class FlashInferAttention(AttentionBackend):
     ) -> TritonDecode:
         """The plan of ``rows`` decode rows and its split scratch: ``scratch``
         (a graph's, kept for its replays) or one for this forward's layers."""
-        plan = paged_decode.plan(rows, self.num_kv_heads)
+        plan = paged_decode.plan(rows, self.num_kv_heads, sms=self._sms)
         if scratch is None:
             device = self.pool.kv.device
             scratch = paged_decode.scratch_for(

@@ -40,28 +40,31 @@ E4M3 = torch.float8_e4m3fn
 MAX_SPLITS = 32
 """Splits of one request's pages at batch 1 (a power of two); the merge
 kernel's tile."""
-SPLIT_TARGET_PROGRAMS = 264
-"""Programs a step aims for when splitting: two per SM of an H200 (132)."""
+PROGRAMS_PER_SM = 2
+"""Programs a step aims for, per SM of the GPU, when splitting."""
+H200_SMS = 132
 
 
 class DecodePlan(NamedTuple):
     """How a batch's attention is split and tiled."""
 
     splits: int
-    """Splits of each request's pages (a power of two)."""
+    """Splits of each request's pages (1 to ``MAX_SPLITS``)."""
     block_pages: int = 4
     """Pages per K/V tile (16-token pages: 64 tokens)."""
     warps: int = 4
     stages: int = 2
 
 
-def plan(batch_size: int, num_kv_heads: int, block_pages: int = 4) -> DecodePlan:
-    """Splits for ``batch_size`` requests: enough programs to fill the GPU
-    (``SPLIT_TARGET_PROGRAMS``), at most ``MAX_SPLITS``; one where the batch
-    alone fills it."""
+def plan(
+    batch_size: int, num_kv_heads: int, block_pages: int = 4, sms: int = H200_SMS
+) -> DecodePlan:
+    """Splits for ``batch_size`` requests: a power of two giving enough
+    programs to fill a GPU of ``sms`` SMs (``PROGRAMS_PER_SM`` each), at most
+    ``MAX_SPLITS``; one where the batch alone fills it."""
     programs = batch_size * num_kv_heads
     splits = 1
-    while splits < MAX_SPLITS and programs * splits < SPLIT_TARGET_PROGRAMS:
+    while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * sms:
         splits *= 2
     return DecodePlan(splits, block_pages, warps=8 if block_pages >= 8 else 4)
 
