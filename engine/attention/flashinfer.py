@@ -248,7 +248,7 @@ class FlashInferAttention(AttentionBackend):
         self._triton = None
         if batch.is_decode:
             if self._triton_decode:
-                self._triton = self._triton_rows(len(last_len), dev[1], dev[0], dev[2], None)
+                self._triton = self._triton_rows(len(last_len), dev[1], dev[0], dev[2])
                 self._wrapper = None
                 return
             args, kwargs = self._plan_args(indptr, dev[0], last_len)
@@ -262,7 +262,7 @@ class FlashInferAttention(AttentionBackend):
         d = _leading_ones(batch.extend_lens)
         split = indptr[d]
         if d and self._triton_decode:
-            self._triton = self._triton_rows(d, dev[1][: d + 1], dev[0], dev[2][:d], None)
+            self._triton = self._triton_rows(d, dev[1][: d + 1], dev[0], dev[2][:d])
             self._num_decode_rows = d
         elif d:
             args, kwargs = self._plan_args(indptr[: d + 1], dev[0][:split], last_len[:d])
@@ -298,14 +298,8 @@ class FlashInferAttention(AttentionBackend):
             index.indices[: len(indices)].copy_(dev[0])
             index.indptr.copy_(dev[1])
             index.last_page_len.copy_(dev[2])
-            n = batch.num_requests
-            if n not in self._graph_scratch:
-                splits = paged_decode.plan(n, self.num_kv_heads, sms=self._sms).splits
-                self._graph_scratch[n] = paged_decode.scratch_for(
-                    n, self.num_heads, self.head_dim, splits, self.pool.kv.device
-                )
             self._triton = self._triton_rows(
-                n, index.indptr, index.indices, index.last_page_len, self._graph_scratch[n]
+                batch.num_requests, index.indptr, index.indices, index.last_page_len, graph=True
             )
             self._wrapper = None
             return
@@ -320,16 +314,21 @@ class FlashInferAttention(AttentionBackend):
         indptr: torch.Tensor,
         indices: torch.Tensor,
         last_len: torch.Tensor,
-        scratch: paged_decode.Scratch | None,
+        graph: bool = False,
     ) -> TritonDecode:
-        """The plan of ``rows`` decode rows and its split scratch: ``scratch``
-        (a graph's, kept for its replays) or one for this forward's layers."""
+        """The plan of ``rows`` decode rows and its split scratch: for a
+        graph, the one kept for its size's replays; else one for this
+        forward's layers."""
         plan = paged_decode.plan(rows, self.num_kv_heads, sms=self._sms)
-        if scratch is None:
+        if graph and rows in self._graph_scratch:
+            scratch = self._graph_scratch[rows]
+        else:
             device = self.pool.kv.device
             scratch = paged_decode.scratch_for(
                 rows, self.num_heads, self.head_dim, plan.splits, device
             )
+            if graph:
+                self._graph_scratch[rows] = scratch
         return TritonDecode(plan, indptr, indices, last_len, scratch)
 
     def next_slot(self) -> int:
