@@ -571,8 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _kernel_settings(cfg: EngineConfig) -> dict[str, Any]:
-    """The settings that choose the weights', the KV pool's and the layer
-    prologue's kernels, for every mode's record."""
+    """The settings that choose the kernels (``KERNEL_SETTINGS``: the
+    weights', the KV pool's, the layer prologue's, decode attention's), for
+    every mode's record."""
     return {name: getattr(cfg, name) for name in KERNEL_SETTINGS}
 
 

@@ -82,6 +82,18 @@ class Variant(NamedTuple):
         return ":".join(self)
 
 
+class DecodeCall(NamedTuple):
+    """What one layer's decode attention call reads and writes: the queries
+    and output ``[batch, heads, head_dim]`` and the page table (host int32:
+    each kernel's setup moves it where it reads it)."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
 def time_kernel(
     fi: Any,
     variant: Variant,
@@ -111,10 +123,11 @@ def time_kernel(
     qkv = torch.randn(batch_size, qkv_heads, args.head_dim, dtype=Q_DTYPE, device=device)
     q = qkv[:, : args.num_heads]
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    call = DecodeCall(q, out, indptr, indices.to(torch.int32), last)
     if variant.kernel in TRITON_TILES:
-        run = _triton_call(variant, batch_size, args, q, out, indptr, indices, last)
+        run = _triton_call(variant, args, call)
     else:
-        run = _flashinfer_call(fi, variant, batch_size, args, q, out, indptr, indices, last)
+        run = _flashinfer_call(fi, variant, args, call)
     caches = []
     for layer in range(kv.shape[1]):
         cache = (kv[:, layer, 0], kv[:, layer, 1])
@@ -178,20 +191,12 @@ def time_kernel(
     )
 
 
-def _triton_call(
-    variant: Variant,
-    batch_size: int,
-    args: argparse.Namespace,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    indptr: torch.Tensor,
-    indices: torch.Tensor,
-    last: torch.Tensor,
-) -> Any:
+def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -> Any:
     """One layer's call of the engine's Triton decode attention, planned."""
     from engine.attention import paged_decode as pd
 
-    device = q.device
+    q, out = call.q, call.out
+    batch_size, device = q.shape[0], q.device
     block, warps, stages = TRITON_TILES[variant.kernel]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = pd.plan(batch_size, args.num_kv_heads, sms=sms).splits
@@ -199,7 +204,7 @@ def _triton_call(
         splits = 1 if variant.split == "none" else int(variant.split)
     decode_plan = pd.DecodePlan(splits, block, warps, stages)
     scratch = pd.scratch_for(batch_size, args.num_heads, args.head_dim, decode_plan.splits, device)
-    table = (indptr.to(device), indices.to(torch.int32).to(device), last.to(device))
+    table = (call.indptr.to(device), call.indices.to(device), call.last_page_len.to(device))
     sm_scale = args.head_dim**-0.5
 
     def run(cache: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -208,25 +213,16 @@ def _triton_call(
     return run
 
 
-def _flashinfer_call(
-    fi: Any,
-    variant: Variant,
-    batch_size: int,
-    args: argparse.Namespace,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    indptr: torch.Tensor,
-    indices: torch.Tensor,
-    last: torch.Tensor,
-) -> Any:
+def _flashinfer_call(fi: Any, variant: Variant, args: argparse.Namespace, call: DecodeCall) -> Any:
     """One layer's call of a FlashInfer decode wrapper, planned."""
-    device = q.device
+    q, out = call.q, call.out
+    batch_size, device = q.shape[0], q.device
     ps = args.page_size
     kv_dtype = KV_DTYPES[args.kv_dtype]
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
     buffers = (
         torch.empty(batch_size + 1, dtype=torch.int32, device=device),
-        torch.empty(indices.numel(), dtype=torch.int32, device=device),
+        torch.empty(call.indices.numel(), dtype=torch.int32, device=device),
         torch.empty(batch_size, dtype=torch.int32, device=device),
     )
     tensor_cores = variant.kernel != "cuda-core"
@@ -246,9 +242,9 @@ def _flashinfer_call(
     elif variant.split != "auto":
         split["fixed_split_size"] = int(variant.split)
     wrapper.plan(
-        indptr.pin_memory(),
-        indices.to(torch.int32).to(device),
-        last.pin_memory(),
+        call.indptr.pin_memory(),
+        call.indices.to(device),
+        call.last_page_len.pin_memory(),
         args.num_heads,
         args.num_kv_heads,
         args.head_dim,
