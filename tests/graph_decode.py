@@ -3,10 +3,14 @@ replay is checked against (CUDA, page size 16)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, ForwardBatch
+from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 PAGE_SIZE = 16
@@ -25,6 +29,31 @@ SMALL_LLAMA = {
 }
 """A model's config.json: small, in the head size FlashInfer's kernels are
 built for (bf16, 128), four query heads per KV head (tensor-core decode)."""
+
+
+def small_runner(
+    graph_bs: int,
+    arch: str = "LlamaForCausalLM",
+    kv_heads: int = 1,
+    num_pages: int = 300,
+    **settings: Any,
+) -> ModelRunner:
+    """A runner of ``SMALL_LLAMA`` as ``arch`` (Qwen3: with q/k norms) with
+    ``kv_heads`` KV heads and dummy bf16 weights on cuda:0: ``num_pages``
+    pages of ``PAGE_SIZE``, decode graphs up to ``graph_bs`` rows (0: none),
+    and the given engine settings."""
+    config = {**SMALL_LLAMA, "architectures": [arch], "num_key_value_heads": kv_heads}
+    mc = ModelConfig.from_dict(config, dtype=torch.bfloat16)
+    cfg = EngineConfig(
+        model="small-test",
+        load_format="dummy",
+        device="cuda:0",
+        page_size=PAGE_SIZE,
+        num_pages=num_pages,
+        cuda_graph_max_bs=graph_bs,
+        **settings,
+    ).resolve(mc)
+    return ModelRunner(cfg, mc)
 
 
 def decode_specs(runner: ModelRunner, batch_size: int) -> list[ExtendSpec]:

@@ -9,18 +9,16 @@ import pytest
 import torch
 from graph_decode import (
     PAGE_SIZE,
-    SMALL_LLAMA,
     assert_graph_equals_eager,
     decode_specs,
     eager_logits,
+    small_runner,
 )
 
 from engine.attention.torch_native import TorchNativeAttention
-from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
 from engine.layers import fp8, fp8_skinny
 from engine.layers.linear import any_linear
-from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
@@ -42,20 +40,7 @@ def test_products_match_float64_of_the_quantized_operands(rows: int) -> None:
 
 
 def _runner(graph_bs: int, kv_heads: int = 1, **kw: str) -> ModelRunner:
-    mc = ModelConfig.from_dict(
-        {**SMALL_LLAMA, "num_key_value_heads": kv_heads}, dtype=torch.bfloat16
-    )
-    cfg = EngineConfig(
-        model="fp8-test",
-        load_format="dummy",
-        device="cuda:0",
-        page_size=16,
-        num_pages=600,
-        max_running_requests=256,
-        cuda_graph_max_bs=graph_bs,
-        **kw,
-    ).resolve(mc)
-    return ModelRunner(cfg, mc)
+    return small_runner(graph_bs, kv_heads=kv_heads, num_pages=600, max_running_requests=256, **kw)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 64])

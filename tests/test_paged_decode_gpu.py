@@ -13,16 +13,14 @@ import pytest
 import torch
 from graph_decode import (
     PAGE_SIZE,
-    SMALL_LLAMA,
     assert_graph_equals_eager,
     decode_specs,
     mixed_steps,
+    small_runner,
 )
 
 from engine.attention import paged_decode as pd
-from engine.config import EngineConfig
 from engine.forward_batch import build_forward_batch
-from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
@@ -183,22 +181,13 @@ def test_scales_and_a_graph_replayed_after_the_requests_grew() -> None:
 
 
 def _runner(kernel: str, graph_bs: int, kv_cache_dtype: str, fused: bool = False) -> ModelRunner:
-    mc = ModelConfig.from_dict(
-        {**SMALL_LLAMA, "num_key_value_heads": 1, "architectures": ["Qwen3ForCausalLM"]},
-        dtype=torch.bfloat16,
-    )
-    cfg = EngineConfig(
-        model="triton-decode-test",
-        load_format="dummy",
-        device=DEVICE,
-        page_size=PAGE_SIZE,
-        num_pages=300,
-        cuda_graph_max_bs=graph_bs,
+    return small_runner(
+        graph_bs,
+        "Qwen3ForCausalLM",
         kv_cache_dtype=kv_cache_dtype,
         decode_kernel=kernel,
         fuse_rope_kv_write=fused,
-    ).resolve(mc)
-    return ModelRunner(cfg, mc)
+    )
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

@@ -10,33 +10,20 @@ import pytest
 import torch
 from graph_decode import (
     PAGE_SIZE,
-    SMALL_LLAMA,
     assert_graph_equals_eager,
     decode_specs,
     mixed_steps,
+    small_runner,
 )
 
-from engine.config import EngineConfig
 from engine.forward_batch import build_forward_batch
-from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 
 
 def _runner(arch: str, fused: bool, graph_bs: int, kv_cache_dtype: str) -> ModelRunner:
-    mc = ModelConfig.from_dict({**SMALL_LLAMA, "architectures": [arch]}, dtype=torch.bfloat16)
-    cfg = EngineConfig(
-        model="fused-prologue-test",
-        load_format="dummy",
-        device="cuda:0",
-        page_size=PAGE_SIZE,
-        num_pages=300,
-        cuda_graph_max_bs=graph_bs,
-        kv_cache_dtype=kv_cache_dtype,
-        fuse_rope_kv_write=fused,
-    ).resolve(mc)
-    runner = ModelRunner(cfg, mc)
+    runner = small_runner(graph_bs, arch, kv_cache_dtype=kv_cache_dtype, fuse_rope_kv_write=fused)
     assert runner.attn.fuses_prologue == fused
     return runner
 
