@@ -176,7 +176,7 @@ def test_refuses_what_it_cannot_take() -> None:
                      DecodePlan(64))  # fmt: skip
 
 
-def test_the_triton_decode_kernel_needs_flashinfer_attention() -> None:
+def test_the_triton_decode_kernel_needs_flashinfer_attention_and_is_auto_there() -> None:
     from engine.config import EngineConfig
     from engine.model_config import ModelConfig
 
@@ -206,3 +206,9 @@ def test_the_triton_decode_kernel_needs_flashinfer_attention() -> None:
     with pytest.raises(ValueError, match="'triton': head_dim must be a power of two"):
         on_flashinfer.resolve(odd)
     assert on_flashinfer.resolve(mc).decode_kernel == "triton"
+    # auto: Triton with flashinfer attention where the shape allows, else FlashInfer's.
+    auto = replace(on_flashinfer, decode_kernel="auto")
+    assert EngineConfig().decode_kernel == "auto"
+    assert auto.resolve(mc).decode_kernel == "triton"
+    assert auto.resolve(odd).decode_kernel == "flashinfer"
+    assert replace(auto, page_size=12).resolve(mc).decode_kernel == "flashinfer"
