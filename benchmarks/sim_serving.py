@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-per-request",
         type=int,
         nargs="+",
-        default=[EngineConfig.prefill_per_request],
-        help="engine setting values to compare (default: the engine's, %(default)s)",
+        default=[-1],
+        help="engine setting values to compare; -1 for the engine's default (default: -1)",
     )
     ap.add_argument(
         "--concurrency", type=int, nargs="+", default=[64], help="requests kept in flight"
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                     cuda_graph_max_bs=args.cuda_graph_max_bs,
                     max_running_requests=args.max_running_requests,
                     max_num_batched_tokens=budget,
-                    prefill_per_request=per_request,
+                    prefill_per_request=None if per_request < 0 else per_request,
                 ).resolve_model_and_device()
             )
             for c in args.concurrency:

@@ -206,9 +206,13 @@ def test_the_triton_decode_kernel_needs_flashinfer_attention_and_is_auto_there()
     with pytest.raises(ValueError, match="'triton': head_dim must be a power of two"):
         on_flashinfer.resolve(odd)
     assert on_flashinfer.resolve(mc).decode_kernel == "triton"
-    # auto: Triton with flashinfer attention where the shape allows, else FlashInfer's.
+    # auto: Triton on e4m3 pages with flashinfer attention where the shape
+    # allows; FlashInfer's on pages of the model's dtype.
     auto = replace(on_flashinfer, decode_kernel="auto")
     assert EngineConfig().decode_kernel == "auto"
-    assert auto.resolve(mc).decode_kernel == "triton"
-    assert auto.resolve(odd).decode_kernel == "flashinfer"
-    assert replace(auto, page_size=12).resolve(mc).decode_kernel == "flashinfer"
+    assert auto.resolve(mc).decode_kernel == "flashinfer"
+    e4m3 = replace(auto, kv_cache_dtype="fp8_e4m3")
+    assert e4m3.resolve(mc).decode_kernel == "triton"
+    assert e4m3.resolve(odd).decode_kernel == "flashinfer"
+    assert replace(e4m3, page_size=12).resolve(mc).decode_kernel == "flashinfer"
+    assert replace(e4m3, attention_backend="torch_native").resolve(mc).decode_kernel == "flashinfer"
