@@ -332,10 +332,11 @@ class EngineConfig:
             reason = shape_refusal(m.head_dim, self.page_size)
             if reason and decode_kernel == "triton":
                 raise ValueError(f"decode_kernel 'triton': {reason}")
-            # auto: the Triton kernel on e4m3 pages, where it is the faster one
-            # at every measured batch. bf16 pages keep FlashInfer's: the Triton
-            # kernel splits a request's pages by the batch size, so a prompt's
-            # greedy tokens could differ alone and in a batch (docs/defaults.md).
+            # auto: the Triton kernel on e4m3 pages, where it made every measured
+            # decode step faster. bf16 pages keep FlashInfer's: the Triton kernel
+            # splits a request's pages by the batch size, so the sums' order, and
+            # near-tied greedy tokens, can differ between a prompt alone and in a
+            # batch (docs/defaults.md, Decode attention).
             if decode_kernel == "auto" and (reason or kv_dtype != E4M3):
                 decode_kernel = "flashinfer"
             else:
