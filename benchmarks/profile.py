@@ -31,8 +31,9 @@ greedy requests of ``--context-len``-token prompts, once they all decode:
 ``prefill``: one forward of a single ``--prompt-lens`` prompt, for each length:
 its kernels and their GPU time by category (as ``step``), the device's
 elapsed time over the forward and the share of it spent in kernels (below
-100%: the device waited for the host), and, timed as ``step`` times a step
-(the last token sampled), the host's time to queue it and the wall time::
+100%: the device waited for the host), timed as ``step`` times a step (the
+last token sampled) the host's time to queue it and the wall time, and the
+host's hotspots (cProfile: the functions with the most time of their own)::
 
     python -m benchmarks.profile prefill --model llama-3.1-8b --prompt-lens 1024 8192 \\
         [--quantization fp8]
@@ -481,8 +482,36 @@ def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -
     busy = sum(row["gpu_ms_by_category"].values())
     row["kernel_ms"] = busy
     row["device_busy"] = busy / row["forward_gpu_ms"]
+    row["host_hotspots"] = host_hotspots(runner, specs, args.steps)
     runner.pool.allocator.free(pages)
     return row
+
+
+def host_hotspots(runner: ModelRunner, specs: list, forwards: int, top: int = 15) -> list[dict]:
+    """The host's side of ``forwards`` forwards under cProfile: the ``top``
+    functions by their own time, in ms per forward (the device is synced
+    only after the last, so waits on it do not count)."""
+    host = cProfile.Profile()
+    sync = torch.cuda.synchronize if str(runner.device).startswith("cuda") else lambda _: None
+    with torch.inference_mode():
+        sync(runner.device)
+        host.enable()
+        for _ in range(forwards):
+            batch = build_forward_batch(specs, runner.pool.page_size, runner.device)
+            runner.forward_logits(batch)
+        host.disable()
+        sync(runner.device)
+    stats = pstats.Stats(host).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {
+            "function": f"{Path(file).name}:{line}({name})",
+            "calls_per_forward": calls / forwards,
+            "own_ms": own / forwards * 1e3,
+            "cumulative_ms": cum / forwards * 1e3,
+        }
+        for (file, line, name), (_, calls, own, cum, _) in rows
+    ]
 
 
 def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
@@ -503,6 +532,13 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
             f"{r['forward_gpu_ms']:>10.3f} {r['host_enqueue_ms']:>8.3f} {r['step_wall_ms']:>8.3f} "
             f"{r['device_busy']:>5.0%}"
         )
+    for r in rows:
+        print(f"host, {r['prompt_len']} tokens: ms per forward (own / cumulative), calls")
+        for h in r["host_hotspots"]:
+            print(
+                f"  {h['own_ms']:>7.3f} {h['cumulative_ms']:>8.3f} "
+                f"{h['calls_per_forward']:>6.0f}  {h['function']}"
+            )
     body = {
         "model": args.model,
         "attention_backend": cfg.attention_backend,
