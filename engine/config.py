@@ -171,10 +171,16 @@ class EngineConfig:
     )
     prefill_per_request: int | None = setting(
         None,
-        help="while requests decode, a step carries at most max(256, N x requests "
+        help="while requests decode, a step carries at most max(F, N x requests "
         "admitted or waiting) prefill tokens: prompt work keeps pace with the load "
         "while arriving prompts cannot stretch the gaps between the tokens of running "
         "streams; 0: only the token budget limits them (default: 6 on CUDA, 0 elsewhere)",
+        group=KV_GROUP,
+    )
+    prefill_floor: int = setting(
+        256,
+        help="F of --prefill-per-request: the least prefill tokens a step may carry "
+        "beside decoding requests (default: %(default)s)",
         group=KV_GROUP,
     )
     max_running_requests: int = setting(
@@ -233,6 +239,8 @@ class EngineConfig:
             raise ValueError("chunk_size must be >= 1")
         if self.prefill_per_request is not None and self.prefill_per_request < 0:
             raise ValueError("prefill_per_request must be >= 0")
+        if self.prefill_floor < 1:
+            raise ValueError("prefill_floor must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
@@ -385,7 +393,7 @@ class EngineConfig:
         starves itself (few decode, so little prefill, so few get to decode)."""
         if not num_decoding or not self.prefill_per_request:
             return self.token_budget
-        return max(MIN_PREFILL_WHILE_DECODING, self.prefill_per_request * num_requests)
+        return max(self.prefill_floor, self.prefill_per_request * num_requests)
 
 
 PREFILL_PER_REQUEST_CUDA = 6
@@ -393,7 +401,6 @@ PREFILL_PER_REQUEST_CUDA = 6
 keeps the 99th-percentile gap between tokens under twice the median at 64
 streams while prefill keeps pace at 256 (all requests sent at once). Off, the
 first tokens of Poisson arrivals come sooner: docs/defaults.md, Token budget."""
-MIN_PREFILL_WHILE_DECODING = 256
 
 
 def resolve_device(device: str) -> str:

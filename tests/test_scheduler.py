@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request
@@ -156,9 +158,13 @@ def add_long(engine: Engine, rid: str, n_prompt: int) -> None:
 
 
 def test_prefill_beside_decodes_is_capped_by_the_load(model_dir: str) -> None:
-    def run(per_request: int) -> list[tuple[str, int]]:
+    def run(per_request: int, floor: int = 256) -> list[tuple[str, int]]:
         engine = make_engine(
-            model_dir, num_pages=400, max_num_batched_tokens=2048, prefill_per_request=per_request
+            model_dir,
+            num_pages=400,
+            max_num_batched_tokens=2048,
+            prefill_per_request=per_request,
+            prefill_floor=floor,
         )
         add(engine, "a", 5)
         assert shape(step(engine)) == [("a", 5)]
@@ -170,6 +176,7 @@ def test_prefill_beside_decodes_is_capped_by_the_load(model_dir: str) -> None:
     # of 256 tokens (max(256, 1 x 3)), split between the prompts in order.
     assert run(1) == [("a", 1), ("b", 256)]
     assert run(200) == [("a", 1), ("b", 600)]  # max(256, 200 x 3) = 600
+    assert run(1, floor=1000) == [("a", 1), ("b", 600), ("c", 400)]  # the floor, 1000
     # Off: only the token budget limits the prefill.
     assert run(0) == [("a", 1), ("b", 600), ("c", 600)]
 
@@ -181,3 +188,10 @@ def test_prefill_cap_needs_a_decoding_request(model_dir: str) -> None:
     add_long(engine, "b", 600)
     add_long(engine, "c", 600)
     assert shape(step(engine)) == [("b", 600), ("c", 600)]
+
+
+def test_prefill_settings_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_floor must be >= 1"):
+        EngineConfig(prefill_floor=0)
+    with pytest.raises(ValueError, match="prefill_per_request must be >= 0"):
+        EngineConfig(prefill_per_request=-1)
