@@ -101,6 +101,10 @@ def simulate(
                     add(now)
         inflight = nxt
     wall = time.perf_counter() - t0
+    if inflight is not None:  # a step launched beside the last finishing one
+        engine.finish(inflight)
+    sched = engine.scheduler
+    cached = sched.cache.cached_pages if sched.cache is not None else 0
     itl = sorted(b - a for ts in token_times.values() for a, b in zip(ts, ts[1:]))
     ttft = sorted(ts[0] - arrived[rid] for rid, ts in token_times.items())
     tpot = sorted((ts[-1] - ts[0]) / (len(ts) - 1) for ts in token_times.values() if len(ts) > 1)
@@ -132,6 +136,8 @@ def simulate(
         },
         "mixed_mean_prefill_tokens": statistics.mean([p for _, p in mixed]) if mixed else 0.0,
         "mixed_mean_decode_rows": statistics.mean([d for d, _ in mixed]) if mixed else 0.0,
+        # Pages neither free nor held by the prefix cache once every request ended.
+        "pages_leaked": sched.allocator.capacity - sched.allocator.num_free - cached,
     }
 
 

@@ -1,82 +1,48 @@
-"""benchmarks.sim_serving on the tiny model: a closed loop and Poisson
-arrivals through the engine's overlap loop, every request finished with its
-tokens, the prefill settings applied, and the pool back to its free pages."""
+"""``python -m benchmarks.sim_serving`` on the tiny model: closed loops and
+Poisson arrivals through the engine's overlap loop, each prefill setting
+applied, every request to its last token, and no page left held."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
-import pytest
-
-from benchmarks import sim_serving
-from engine.config import EngineConfig
-from engine.engine import Engine
+REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: str) -> Engine:
-    # No prefix cache: a finished request's pages go straight back to the pool.
-    cfg = EngineConfig(
-        model=model_dir, device="cpu", kv_cache_memory_gb=0.05, enable_prefix_cache=False
-    )
-    return Engine(cfg)
-
-
-def args(**kw: int) -> object:
-    return sim_serving.build_parser().parse_args(
-        [
-            f"--{k.replace('_', '-')}={v}"
-            for k, v in {"input_len": 24, "output_len": 5, **kw}.items()
-        ]
-    )
-
-
-@pytest.mark.parametrize("rate", [None, 200.0])
-def test_every_request_runs_to_its_last_token(engine: Engine, rate: float | None) -> None:
-    free = engine.runner.pool.allocator.num_free
-    row = sim_serving.simulate(engine, 3, 7, args(), rate)
-    assert row["requests"] == 7 and row["request_rate"] == rate
-    assert row["arrivals"] == (f"poisson {rate}/s" if rate else "closed loop of 3")
-    steps = row["steps"]
-    # 7 prompts of 24 tokens and 5 tokens each: the first token from a prefill
-    # (or mixed) step, the other 4 from steps with decode rows.
-    assert sum(k["n"] for k in steps.values()) >= 5
-    assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
-    assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
-    assert 0 < row["tpot_p50_ms"] <= row["tpot_p99_ms"]
-    assert row["output_tok_s"] > 0
-    assert engine.runner.pool.allocator.num_free == free
-
-
-def test_open_loop_requests_arrive_over_time(engine: Engine) -> None:
-    # At 20 requests/s, 6 arrivals take ~0.3 s: the run cannot end before the
-    # last one arrived, which a closed loop of 6 would.
-    free = engine.runner.pool.allocator.num_free
-    row = sim_serving.simulate(engine, 0, 6, args(), 20.0)
-    draws = random.Random(0)  # the same seeded draws the simulation makes
-    last_arrival = sum(draws.expovariate(20.0) for _ in range(6))
-    assert row["wall_s"] >= last_arrival
-    assert engine.runner.pool.allocator.num_free == free
-
-
-def test_main_compares_settings_and_writes_a_record(model_dir: str, tmp_path: Path) -> None:
+def test_closed_and_open_loops_for_each_setting(model_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    sim_serving.main(
-        [
-            "--model", model_dir, "--device", "cpu", "--kv-cache-memory-gb", "0.05",
-            "--input-len", "16", "--output-len", "3", "--requests", "4",
-            "--concurrency", "2", "--request-rates", "100",
-            "--prefill-per-request", "0", "6", "--prefill-floor", "32",
-            "--output-file", str(out),
-        ]
-    )  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "benchmarks.sim_serving",
+        "--model", model_dir, "--device", "cpu", "--kv-cache-memory-gb", "0.05",
+        "--input-len", "24", "--output-len", "5", "--requests", "7",
+        "--concurrency", "3", "--request-rates", "20",
+        "--prefill-per-request", "0", "6", "--prefill-floor", "32",
+        "--output-file", str(out),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["prefill_per_request"], r["concurrency"], r["request_rate"]) for r in rows] == [
-        (0, 2, None),
-        (0, None, 100.0),
-        (6, 2, None),
-        (6, None, 100.0),
+    assert [(r["prefill_per_request"], r["arrivals"]) for r in rows] == [
+        (0, "closed loop of 3"),
+        (0, "poisson 20.0/s"),
+        (6, "closed loop of 3"),
+        (6, "poisson 20.0/s"),
     ]
-    assert {r["prefill_floor"] for r in rows} == {32}
+    # The open loop's requests arrive at seeded Poisson times: the run cannot
+    # end before the last one arrived (0.40 s at 20/s), as a closed loop may.
+    draws = random.Random(0)
+    last_arrival = sum(draws.expovariate(20.0) for _ in range(7))
+    for r in rows:
+        assert r["prefill_floor"] == 32 and r["requests"] == 7
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+        # 5 tokens each: one from a step with prefill, four from steps with decode rows.
+        assert sum(k["n"] for k in r["steps"].values()) >= 5
+        assert r["pages_leaked"] == 0
+        if r["request_rate"]:
+            assert r["wall_s"] >= last_arrival
