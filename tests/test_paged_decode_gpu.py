@@ -129,6 +129,32 @@ def test_matches_float64_and_flashinfer(
     _close(out, fi.double(), "against FlashInfer")
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_chunked_outputs_do_not_depend_on_the_batch(kv_dtype: torch.dtype) -> None:
+    """Batch-invariant chunks (16 pages and up): 64 requests of up to 3000
+    tokens decoded together (one split: the batch fills the GPU) and 8 of
+    them alone (32 splits): each alone bitwise equal to its row in the
+    batch, and both close to float64."""
+    batch, heads, kv_heads = 64, 32, 8
+    kv, lengths, tables = _setup(batch, kv_heads, kv_dtype, 3000, seed=11)
+    q = _queries(batch, heads, kv_heads, seed=5)
+    k_cache, v_cache = kv[:, LAYER, 0], kv[:, LAYER, 1]
+    sm_scale = HEAD_DIM**-0.5
+    together = torch.empty(q.shape, dtype=q.dtype, device=DEVICE)
+    together_plan = pd.plan(batch, kv_heads, chunk_pages=16)
+    assert together_plan.splits == 1
+    index = _index(lengths, tables)
+    pd.paged_decode(q, k_cache, v_cache, *index, together, sm_scale, together_plan)
+    _close(together, _reference(q, kv, lengths, tables, sm_scale), "batch of 64")
+    alone_plan = pd.plan(1, kv_heads, chunk_pages=16)
+    assert alone_plan.splits == 32
+    for r in range(8):
+        alone = torch.empty((1, heads, HEAD_DIM), dtype=q.dtype, device=DEVICE)
+        one = _index([lengths[r]], [tables[r]])
+        pd.paged_decode(q[r : r + 1], k_cache, v_cache, *one, alone, sm_scale, alone_plan)
+        assert torch.equal(alone[0], together[r]), f"request {r} ({lengths[r]} tokens)"
+
+
 def test_scales_and_a_graph_replayed_after_the_requests_grew() -> None:
     """Captured for 4 requests, replayed when each has grown by a page or
     more: the split's pages are found on the device, so the replay equals an
@@ -141,7 +167,7 @@ def test_scales_and_a_graph_replayed_after_the_requests_grew() -> None:
     sm_scale, scales = HEAD_DIM**-0.5, (0.5, 2.0)
     decode_plan = pd.plan(batch, kv_heads)
     assert decode_plan.splits > 1
-    scratch = pd.scratch_for(batch, heads, HEAD_DIM, decode_plan.splits, torch.device(DEVICE))
+    scratch = pd.scratch_for(batch, heads, HEAD_DIM, decode_plan.partials, torch.device(DEVICE))
     k_cache, v_cache = kv[:, LAYER, 0], kv[:, LAYER, 1]
     # Fixed-size buffers the graph reads, as the engine's decode graphs hold them.
     capacity = sum(len(t) for t in tables)

@@ -3,8 +3,8 @@ under Triton's interpreter (no GPU needed), against attention in float64 over
 the same pages (e4m3 pages dequantized): every request's pages scattered over
 a pool whose pages hold several layers, lengths from one token to past a
 split, groups of 1, 4 and 6 query heads per KV head, one split and many
-(more than a short request has pages), K/V scales, queries and outputs as
-strided views. fp16 queries: the interpreter truncates float32 to bf16 where
+(more than a short request has pages), even and batch-invariant chunks, K/V
+scales, queries and outputs as strided views. fp16 queries: the interpreter truncates float32 to bf16 where
 the GPU rounds (bf16 runs in tests/test_paged_decode_gpu.py).
 
 The interpreter must be chosen before triton is first imported, so these run
@@ -84,9 +84,18 @@ def _reference(
 @interpreted
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 32), (2, 2, 16), (12, 2, 32)])
 @pytest.mark.parametrize("kv_dtype", [torch.float16, KV_FP8])
-@pytest.mark.parametrize(("splits", "block_pages"), [(1, 2), (4, 1), (32, 2)])
+@pytest.mark.parametrize(
+    ("splits", "block_pages", "chunk_pages"),
+    [(1, 2, 0), (4, 1, 0), (32, 2, 0), (1, 2, 2), (4, 1, 3), (32, 2, 1)],
+)
 def test_matches_float64_attention_over_the_same_pages(
-    heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype, splits: int, block_pages: int
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    splits: int,
+    block_pages: int,
+    chunk_pages: int,
 ) -> None:
     from engine.attention.paged_decode import paged_decode
 
@@ -104,7 +113,7 @@ def test_matches_float64_attention_over_the_same_pages(
     out = out_buf[:, 1 : heads + 1]
     scales = (0.5, 2.0) if kv_dtype == KV_FP8 else (1.0, 1.0)
     sm_scale = 1 / math.sqrt(head_dim)
-    decode_plan = DecodePlan(splits, block_pages)
+    decode_plan = DecodePlan(splits, block_pages, chunk_pages=chunk_pages)
     paged_decode(q, pool.k_layer(LAYER), pool.v_layer(LAYER), indptr, indices, last, out,
                  sm_scale, decode_plan, k_scale=scales[0], v_scale=scales[1])  # fmt: skip
     ref = _reference(q, pool, LENGTHS, tables, sm_scale, scales)
@@ -141,6 +150,47 @@ def test_a_longer_context_replays_with_the_same_plan() -> None:
     assert not torch.equal(outs[1], outs[2])
 
 
+@interpreted
+def test_chunked_sums_do_not_depend_on_the_batch() -> None:
+    """Six requests (1 to 150 tokens) decoded in one batch at 1 and 4
+    splits, and each alone at 32 (the plans of a large, a middle and a
+    single-request batch): with chunks fixed by each request's length the
+    outputs are bitwise equal; with even chunks of the plan's splits they
+    are not (float32 outputs, so a last-bit difference shows)."""
+    from engine.attention.paged_decode import paged_decode
+
+    lengths = [1, 4, 5, 23, 64, 150]
+    g = torch.Generator().manual_seed(5)
+    num_pages = sum(-(-n // PAGE_SIZE) for n in lengths) + 3
+    pool = KVPool(KVPoolConfig(num_pages, PAGE_SIZE, LAYERS, 2, 32, dtype=torch.float16))
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=g).to(torch.float16))
+    tables = _pages(lengths, num_pages, seed=2)
+    q = torch.randn(len(lengths), 8, 32, generator=g).to(torch.float16)
+    k, v = pool.k_layer(LAYER), pool.v_layer(LAYER)
+    ref = _reference(q, pool, lengths, tables, 0.2, (1.0, 1.0))
+
+    def decode(rows: list[int], splits: int, chunk_pages: int) -> torch.Tensor:
+        out = torch.empty(len(rows), 8, 32)
+        index = _index([lengths[r] for r in rows], [tables[r] for r in rows])
+        plan = DecodePlan(splits, 2, chunk_pages=chunk_pages)
+        paged_decode(q[rows], k, v, *index, out, 0.2, plan)
+        return out
+
+    for chunk_pages in (0, 4):
+        batched = [decode(list(range(len(lengths))), splits, chunk_pages) for splits in (1, 4)]
+        alone = torch.cat([decode([r], 32, chunk_pages) for r in range(len(lengths))])
+        for out in (*batched, alone):
+            assert (out.double() - ref).abs().max().item() < 4e-3 * ref.abs().max().item()
+        same = [
+            torch.equal(alone[r], batched[0][r]) and torch.equal(alone[r], batched[1][r])
+            for r in range(len(lengths))
+        ]
+        if chunk_pages:
+            assert all(same), same
+        else:  # one page, or one split at every plan: the same sums
+            assert same[:2] == [True, True] and not all(same[2:]), same
+
+
 def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert [plan(b, 8).splits for b in (1, 2, 4, 8, 16, 32, 33, 256)] == [32, 32, 16, 8, 4, 2, 1, 1]
     assert plan(1, 1).splits == 32  # at most MAX_SPLITS
@@ -148,6 +198,11 @@ def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert (plan(4, 8, block_pages=8).warps, plan(4, 8).warps) == (8, 4)
     assert [group_rows(h, 8) for h in (8, 32, 64, 256)] == [16, 16, 16, 32]
     assert group_rows(48, 8) == 16  # a group of 6
+    # Scratch rows per request and head: none for one split, one per split,
+    # or the most chunks a request can have.
+    assert [DecodePlan(1).partials, DecodePlan(4).partials] == [0, 4]
+    assert plan(256, 8, chunk_pages=16) == DecodePlan(1, 4, 4, 2, 16)
+    assert plan(256, 8, chunk_pages=16).partials == 32
 
 
 def test_refuses_what_it_cannot_take() -> None:
@@ -174,6 +229,9 @@ def test_refuses_what_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="splits must be in"):
         paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:1], q.clone(), 1.0,
                      DecodePlan(64))  # fmt: skip
+    with pytest.raises(ValueError, match="chunk_pages must be >= 0"):
+        paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:1], q.clone(), 1.0,
+                     DecodePlan(1, chunk_pages=-1))  # fmt: skip
 
 
 def test_the_triton_decode_kernel_needs_flashinfer_attention_and_is_auto_there() -> None:

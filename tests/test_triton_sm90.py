@@ -279,10 +279,12 @@ def test_rope_and_kv_write_compiles_once_per_model(launches: list[Launch]) -> No
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
 def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: list[Launch]) -> None:
     """Batch 1 and 8 (split over the pages: the split kernel, then the
-    merge) and 256 (one split), tiles of 4 and 8 pages, queries a view into
-    the QKV output, in the page-major pool of the model's layers. The split
-    count is no compile-time constant: every batch size's plan shares one
-    binary per tile and kind (split or whole), and one merge."""
+    merge) and 256 (one split), tiles of 4 and 8 pages, and batch 1 and 256
+    in batch-invariant chunks of 16 pages, queries a view into the QKV
+    output, in the page-major pool of the model's layers. The split count is
+    no compile-time constant: every batch size's plan shares one binary per
+    tile and kind (with partials or without), and even chunks one merge;
+    batch-invariant chunks one more of each."""
     from engine.attention import paged_decode as pd
     from engine.kvcache.pool import KVPool, KVPoolConfig
 
@@ -298,8 +300,12 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
             assert (plan.splits > 1) == (batch < 256)
             pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch], out,
                             d**-0.5, plan)  # fmt: skip
-    compile_all(launches, 10)
-    assert len({_specialized(launch)[0] for launch in launches}) == 5
+            if block == 4 and batch != 8:
+                chunked = pd.plan(batch, c.num_kv_heads, chunk_pages=16)
+                pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch],
+                                out, d**-0.5, chunked)  # fmt: skip
+    compile_all(launches, 14)
+    assert len({_specialized(launch)[0] for launch in launches}) == 7
 
 
 def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:

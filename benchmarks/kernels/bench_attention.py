@@ -8,7 +8,8 @@ is a kernel (FlashInfer's ``cuda-core``: its decode kernel; ``fa2``/``fa3``:
 its tensor-core kernels through the prefill path; ``triton``:
 ``engine.attention.paged_decode`` as the engine plans it, K/V tiles of 4 pages,
 4 warps, 2 stages; ``triton-b2``: tiles of 2 pages; ``triton-b8``: of 8 pages,
-8 warps; ``triton-s3``: 3 stages), a KV split
+8 warps; ``triton-s3``: 3 stages; ``triton-c8``/``c16``/``c32``: batch-invariant
+chunks of at least 8/16/32 pages), a KV split
 rule (``auto``: the plan's own, ``none``: one pass per request, ``N``: N pages
 per split for FlashInfer, N splits per request for Triton) and the layout
 within a page (``NHD``: the pool's, ``HND``: heads outermost; Triton reads
@@ -42,12 +43,16 @@ import torch
 from benchmarks.common import machine, write_record
 
 TRITON_TILES = {
-    "triton": (4, 4, 2),
-    "triton-b2": (2, 4, 2),
-    "triton-b8": (8, 8, 2),
-    "triton-s3": (4, 4, 3),
+    "triton": (4, 4, 2, 0),
+    "triton-b2": (2, 4, 2, 0),
+    "triton-b8": (8, 8, 2, 0),
+    "triton-s3": (4, 4, 3, 0),
+    "triton-c8": (4, 4, 2, 8),
+    "triton-c16": (4, 4, 2, 16),
+    "triton-c32": (4, 4, 2, 32),
 }
-"""Triton variant -> (pages per K/V tile, warps, stages)."""
+"""Triton variant -> (pages per K/V tile, warps, stages, chunk pages: 0 for
+chunks by the batch's split, N for batch-invariant chunks of N pages or more)."""
 KERNELS = ("cuda-core", "fa2", "fa3", *TRITON_TILES)
 Q_DTYPE = torch.bfloat16
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -197,13 +202,15 @@ def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -
 
     q, out = call.q, call.out
     batch_size, device = q.shape[0], q.device
-    block, warps, stages = TRITON_TILES[variant.kernel]
+    block, warps, stages, chunk = TRITON_TILES[variant.kernel]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = pd.plan(batch_size, args.num_kv_heads, sms=sms).splits
     if variant.split != "auto":
         splits = 1 if variant.split == "none" else int(variant.split)
-    decode_plan = pd.DecodePlan(splits, block, warps, stages)
-    scratch = pd.scratch_for(batch_size, args.num_heads, args.head_dim, decode_plan.splits, device)
+    decode_plan = pd.DecodePlan(splits, block, warps, stages, chunk)
+    scratch = pd.scratch_for(
+        batch_size, args.num_heads, args.head_dim, decode_plan.partials, device
+    )
     table = (call.indptr.to(device), call.indices.to(device), call.last_page_len.to(device))
     sm_scale = args.head_dim**-0.5
 

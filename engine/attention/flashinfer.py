@@ -34,6 +34,11 @@ row's KV in one pass (``disable_split_kv``) from 32 rows up was faster alone
 and in the batch-256 graph, but the serving loop at 64 streams gave a fifth
 less output with it (docs/perf/2026-12-01-decode-attention-split.md)."""
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+DECODE_CHUNK_PAGES = 0
+"""The Triton decode kernel's chunks (``paged_decode.DecodePlan.chunk_pages``):
+0, even ones over the plan's splits (which follow the batch size); N, chunks
+of N pages and up whatever the batch, so a request's sums do not depend on
+the batch it runs in."""
 NUM_PLAN_SLOTS = 2
 """Plans alternate between this many wrapper sets. plan() writes the page table
 into a pinned host buffer and queues its copy to the device; with the overlap
@@ -185,9 +190,11 @@ class FlashInferAttention(AttentionBackend):
         """This forward's decode rows on the Triton kernel (None: on FlashInfer's)."""
         self._sms = torch.cuda.get_device_properties(pool.kv.device).multi_processor_count
         """The GPU's SMs, which the Triton kernel's splits are planned to fill."""
-        self._graph_scratch: dict[int, paged_decode.Scratch | None] = {}
-        """Batch size -> the Triton kernel's split scratch in its graphs (every
-        slot's: the forwards that use it run one after another on one stream)."""
+        self._graph_scratch: list[paged_decode.Scratch] = []
+        """The Triton kernel's split scratch in the decode graphs, one for every
+        size and slot (the graphs replay one after another on one stream). The
+        sizes are captured largest first, so one is made; a larger one later
+        gets a new one, and the older stay alive for the graphs that read them."""
 
     # -- planning
 
@@ -319,17 +326,27 @@ class FlashInferAttention(AttentionBackend):
         """The plan of ``rows`` decode rows and its split scratch: for a
         graph, the one kept for its size's replays; else one for this
         forward's layers."""
-        plan = paged_decode.plan(rows, self.num_kv_heads, sms=self._sms)
-        if graph and rows in self._graph_scratch:
-            scratch = self._graph_scratch[rows]
+        plan = paged_decode.plan(
+            rows, self.num_kv_heads, sms=self._sms, chunk_pages=DECODE_CHUNK_PAGES
+        )
+        if graph:
+            scratch = self._shared_scratch(rows * self.num_heads * plan.partials)
         else:
-            device = self.pool.kv.device
             scratch = paged_decode.scratch_for(
-                rows, self.num_heads, self.head_dim, plan.splits, device
+                rows, self.num_heads, self.head_dim, plan.partials, self.pool.kv.device
             )
-            if graph:
-                self._graph_scratch[rows] = scratch
         return TritonDecode(plan, indptr, indices, last_len, scratch)
+
+    def _shared_scratch(self, rows: int) -> paged_decode.Scratch | None:
+        """``rows`` rows of the graphs' shared split scratch."""
+        if not rows:
+            return None
+        if not self._graph_scratch or self._graph_scratch[-1].lse.numel() < rows:
+            whole = paged_decode.scratch_for(rows, 1, self.head_dim, 1, self.pool.kv.device)
+            assert whole is not None
+            self._graph_scratch.append(whole)
+        whole = self._graph_scratch[-1]
+        return paged_decode.Scratch(whole.o[:rows], whole.lse[:rows])
 
     def next_slot(self) -> int:
         """The slot the next forward plans into (graphs are captured per slot)."""

@@ -10,14 +10,29 @@ on the tensor cores, K and V tiles of ``block_pages`` pages gathered through the
 page table and widened in registers (e4m3 to fp16, exactly). So each K/V byte
 is read once per step, by the one program of its head and split.
 
-With one split a program writes its rows of the output. With more, each
-writes its rows' partial result (normalized) and log-sum-exp (base 2) to
-scratch and a second kernel merges the splits: ``out = sum_s w_s o_s / sum_s
-w_s`` with ``w_s = 2^(lse_s - max lse)``. The number of splits depends on the
-batch size alone (``plan``), never on the context, so a CUDA graph captured
-for a batch size replays for every context: a split's pages are computed on
-the device from the request's page count, and a split past the end writes a
-weight of zero.
+A request's pages fall into chunks, and the ``splits`` programs of a request
+and KV head take its chunks in turn (chunk ``c`` to program ``c mod
+splits``). A request of one chunk has its rows of the output written by the
+program that computed them. Otherwise each chunk's partial result
+(normalized) and log-sum-exp (base 2) go to scratch, and a second kernel
+merges the chunks in order: ``out = sum_c w_c o_c / sum_c w_c`` with ``w_c =
+2^(lse_c - max lse)``.
+
+The chunks, two ways (``DecodePlan.chunk_pages``):
+
+- 0: ``splits`` even chunks (the last ones may be shorter or missing). The
+  split count depends on the batch size alone (``plan``: enough programs for
+  the GPU), so a prompt's attention is summed in a different order alone and
+  in a batch.
+- N > 0: chunks of at least N pages, fewer than ``MAX_SPLITS`` (a multiple of
+  the tile), fixed by the request's page count alone: the same sums in the
+  same order at every batch size, so a request's output does not depend on
+  the batch it runs in. The cost: partials for every request longer than one
+  chunk, even where the batch alone fills the GPU.
+
+Either way nothing depends on the context at plan time, so a CUDA graph
+captured for a batch size replays for every context: a chunk's pages are
+computed on the device from the request's page count.
 
 Scales: the scores are ``sm_scale * k_scale * q . k`` (``k_scale`` is the
 checkpoint's K scale of an e4m3 pool, 1 otherwise), the output is multiplied
@@ -49,15 +64,30 @@ class DecodePlan(NamedTuple):
     """How a batch's attention is split and tiled."""
 
     splits: int
-    """Splits of each request's pages (1 to ``MAX_SPLITS``)."""
+    """Programs per request and KV head (1 to ``MAX_SPLITS``)."""
     block_pages: int = 4
     """Pages per K/V tile (16-token pages: 64 tokens)."""
     warps: int = 4
     stages: int = 2
+    chunk_pages: int = 0
+    """0: a request's pages in ``splits`` even chunks; N: in chunks of at
+    least N pages whatever the batch (batch-invariant sums)."""
+
+    @property
+    def partials(self) -> int:
+        """Scratch rows per request and query head: the most chunks a request
+        can have (0: none, every request is one chunk)."""
+        if self.chunk_pages:
+            return MAX_SPLITS
+        return self.splits if self.splits > 1 else 0
 
 
 def plan(
-    batch_size: int, num_kv_heads: int, block_pages: int = 4, sms: int = H200_SMS
+    batch_size: int,
+    num_kv_heads: int,
+    block_pages: int = 4,
+    sms: int = H200_SMS,
+    chunk_pages: int = 0,
 ) -> DecodePlan:
     """Splits for ``batch_size`` requests: a power of two giving enough
     programs to fill a GPU of ``sms`` SMs (``PROGRAMS_PER_SM`` each), at most
@@ -66,7 +96,8 @@ def plan(
     splits = 1
     while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * sms:
         splits *= 2
-    return DecodePlan(splits, block_pages, warps=8 if block_pages >= 8 else 4)
+    warps = 8 if block_pages >= 8 else 4
+    return DecodePlan(splits, block_pages, warps, chunk_pages=chunk_pages)
 
 
 def group_rows(num_heads: int, num_kv_heads: int) -> int:
@@ -81,15 +112,15 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     # The split count is an argument, not a constant: one binary serves every
-    # batch size's plan (DIRECT: one split, the output written here).
-    @triton.jit(do_not_specialize=["stride_qb", "stride_ob", "splits"])
+    # batch size's plan.
+    @triton.jit(do_not_specialize=["stride_qb", "stride_ob", "splits", "partials"])
     def split_attend(q, k, v, indptr, indices, last_len, out, part_o, part_lse,
                      stride_qb, stride_qh, stride_kp, stride_kt, stride_kh,
                      stride_vp, stride_vt, stride_vh, stride_ob, stride_oh,
-                     qk_scale, v_scale, splits,
+                     qk_scale, v_scale, splits, partials,
                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                     PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, DIRECT: tl.constexpr,
-                     COMPUTE: tl.constexpr):  # fmt: skip
+                     PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, CHUNK_PAGES: tl.constexpr,
+                     MAX_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -97,9 +128,13 @@ def _kernels() -> tuple[Any, Any]:
         first = tl.load(indptr + b)
         n_pages = tl.load(indptr + b + 1) - first
         seq = (n_pages - 1) * PAGE + tl.load(last_len + b)
-        per_split = tl.cdiv(n_pages, splits)
-        lo = s * per_split
-        hi = tl.minimum(lo + per_split, n_pages)
+        # Pages per chunk (DecodePlan.chunk_pages); the merge finds the same.
+        if CHUNK_PAGES == 0:
+            chunk = tl.cdiv(n_pages, splits)
+        else:
+            chunk = tl.maximum(tl.cdiv(n_pages, MAX_CHUNKS), CHUNK_PAGES)
+            chunk = tl.cdiv(chunk, BLOCK_PAGES) * BLOCK_PAGES
+        n_chunks = tl.cdiv(n_pages, chunk)
 
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
@@ -107,59 +142,68 @@ def _kernels() -> tuple[Any, Any]:
         g_ok = g < G
         qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                      mask=g_ok[:, None], other=0.0).to(COMPUTE)  # fmt: skip
-
-        m = tl.full([G_PAD], float("-inf"), tl.float32)
-        den = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
         t = tl.arange(0, BLOCK_N)
-        for p0 in range(lo, hi, BLOCK_PAGES):
-            page_i = p0 + t // PAGE
-            slot = t % PAGE
-            ok = (page_i < hi) & (page_i * PAGE + slot < seq)
-            page = tl.load(indices + first + page_i, mask=page_i < hi, other=0).to(tl.int64)
-            kt = tl.load(k + page[:, None] * stride_kp + slot[:, None] * stride_kt
-                         + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
-            scores = tl.dot(qv, tl.trans(kt.to(COMPUTE))) * qk_scale  # [G_PAD, BLOCK_N], log2 units
-            scores = tl.where(ok[None, :], scores, float("-inf"))
-            # The first tile of a split holds a token (a page holds one at
-            # least): m is finite from here on, and no exp2(-inf - -inf).
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            den = den * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
-                         + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vt.to(COMPUTE))
-            m = m_new
+        for c in range(s, n_chunks, splits):
+            lo = c * chunk
+            hi = tl.minimum(lo + chunk, n_pages)
+            m = tl.full([G_PAD], float("-inf"), tl.float32)
+            den = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, D], tl.float32)
+            for p0 in range(lo, hi, BLOCK_PAGES):
+                page_i = p0 + t // PAGE
+                slot = t % PAGE
+                ok = (page_i < hi) & (page_i * PAGE + slot < seq)
+                page = tl.load(indices + first + page_i, mask=page_i < hi, other=0).to(tl.int64)
+                kt = tl.load(k + page[:, None] * stride_kp + slot[:, None] * stride_kt
+                             + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                scores = tl.dot(qv, tl.trans(kt.to(COMPUTE))) * qk_scale  # [G_PAD, BLOCK_N], log2
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                # A chunk's first tile holds a token (every chunk starts inside
+                # the request's pages, a page holds one at least): m is finite
+                # from here on, and no exp2(-inf - -inf).
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(scores - m_new[:, None])
+                den = den * alpha + tl.sum(p, axis=1)
+                vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                             + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vt.to(COMPUTE))
+                m = m_new
+            if n_chunks == 1:
+                o = acc / den[:, None] * v_scale
+                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                         o.to(out.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
+            else:
+                # Partials [batch, heads, partials, (D)]: normalized, with
+                # their log-sum-exp.
+                row = (b * tl.num_programs(1) * G + heads) * partials + c
+                tl.store(part_o + row[:, None] * D + d[None, :], acc / den[:, None],
+                         mask=g_ok[:, None])  # fmt: skip
+                tl.store(part_lse + row, m + tl.log2(den), mask=g_ok)
 
-        if DIRECT:
-            o = acc / den[:, None] * v_scale
-            tl.store(out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     o.to(out.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
-        else:
-            # Partials [batch, heads, splits, (D)]: normalized, with their
-            # log-sum-exp; an empty split (past the request's pages) -inf.
-            row = (b * tl.num_programs(1) * G + heads) * splits + s
-            has = lo < hi
-            o = tl.where(has, acc / tl.where(has, den, 1.0)[:, None], 0.0)
-            lse = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
-            tl.store(part_o + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
-            tl.store(part_lse + row, lse, mask=g_ok)
-
-    @triton.jit(do_not_specialize=["stride_ob", "splits"])
-    def merge(part_o, part_lse, out, stride_ob, stride_oh, v_scale, H, splits,
-              D: tl.constexpr, S_PAD: tl.constexpr):  # fmt: skip
+    @triton.jit(do_not_specialize=["stride_ob", "splits", "partials"])
+    def merge(indptr, part_o, part_lse, out, stride_ob, stride_oh, v_scale, H, splits, partials,
+              D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_PAGES: tl.constexpr,
+              CHUNK_PAGES: tl.constexpr):  # fmt: skip
         b = tl.program_id(0)
         hq = tl.program_id(1)
-        s = tl.arange(0, S_PAD)
-        d = tl.arange(0, D)
-        ok = s < splits
-        row = (b * H + hq) * splits + s
-        lse = tl.load(part_lse + row, mask=ok, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds pages: max finite
-        o = tl.load(part_o + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0) * v_scale
-        tl.store(out + b * stride_ob + hq * stride_oh + d, o.to(out.dtype.element_ty))
+        n_pages = tl.load(indptr + b + 1) - tl.load(indptr + b)
+        if CHUNK_PAGES == 0:
+            chunk = tl.cdiv(n_pages, splits)
+        else:
+            chunk = tl.maximum(tl.cdiv(n_pages, S_PAD), CHUNK_PAGES)
+            chunk = tl.cdiv(chunk, BLOCK_PAGES) * BLOCK_PAGES
+        n_chunks = tl.cdiv(n_pages, chunk)
+        if n_chunks > 1:  # else split_attend wrote the rows
+            s = tl.arange(0, S_PAD)
+            d = tl.arange(0, D)
+            ok = s < n_chunks
+            row = (b * H + hq) * partials + s
+            lse = tl.load(part_lse + row, mask=ok, other=float("-inf"))
+            w = tl.exp2(lse - tl.max(lse, axis=0))  # chunks hold pages: the max is finite
+            o = tl.load(part_o + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0) * v_scale
+            tl.store(out + b * stride_ob + hq * stride_oh + d, o.to(out.dtype.element_ty))
 
     return split_attend, merge
 
@@ -173,11 +217,13 @@ class Scratch(NamedTuple):
 
 
 def scratch_for(
-    batch_size: int, num_heads: int, head_dim: int, splits: int, device: torch.device
+    batch_size: int, num_heads: int, head_dim: int, partials: int, device: torch.device
 ) -> Scratch | None:
-    if splits == 1:
+    """Scratch for ``partials`` rows per request and query head
+    (``DecodePlan.partials``); None for none."""
+    if not partials:
         return None
-    rows = batch_size * num_heads * splits
+    rows = batch_size * num_heads * partials
     return Scratch(
         torch.empty(rows, head_dim, dtype=torch.float32, device=device),
         torch.empty(rows, dtype=torch.float32, device=device),
@@ -223,18 +269,20 @@ def paged_decode(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[batch, heads, head_dim]`` (one row per request)
-    over its pages, into ``out`` (same shape; rows may be strided). With
-    ``decode_plan.splits > 1`` ``scratch`` (``scratch_for``) holds the
-    partials; None allocates it."""
+    over its pages, into ``out`` (same shape; rows may be strided). Where the
+    plan has partials (``DecodePlan.partials``) ``scratch`` (``scratch_for``)
+    holds them; None allocates it."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check(q, k_cache, num_kv_heads)
     group = num_heads // num_kv_heads
-    splits = decode_plan.splits
+    splits, partials = decode_plan.splits, decode_plan.partials
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
-    if splits > 1 and scratch is None:
-        scratch = scratch_for(batch, num_heads, head_dim, splits, q.device)
+    if decode_plan.chunk_pages < 0:
+        raise ValueError(f"chunk_pages must be >= 0, got {decode_plan.chunk_pages}")
+    if partials and scratch is None:
+        scratch = scratch_for(batch, num_heads, head_dim, partials, q.device)
     parts = scratch or Scratch(out, out)
     compute = _compute_dtype(q.dtype, k_cache.dtype)
     split_attend, merge = _kernels()
@@ -243,16 +291,19 @@ def paged_decode(
         q, k_cache, v_cache, indptr, indices, last_page_len, out, parts.o, parts.lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        sm_scale * k_scale * log2e, v_scale, splits,
+        sm_scale * k_scale * log2e, v_scale, splits, partials,
         G=group, G_PAD=group_rows(num_heads, num_kv_heads), D=head_dim,
-        PAGE=k_cache.shape[1], BLOCK_PAGES=decode_plan.block_pages, DIRECT=splits == 1,
-        COMPUTE=compute,
+        PAGE=k_cache.shape[1], BLOCK_PAGES=decode_plan.block_pages,
+        CHUNK_PAGES=decode_plan.chunk_pages, MAX_CHUNKS=MAX_SPLITS, COMPUTE=compute,
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
     )  # fmt: skip
-    if splits > 1:
+    if partials:
         merge[(batch, num_heads)](
-            parts.o, parts.lse, out, out.stride(0), out.stride(1), v_scale, num_heads, splits,
-            D=head_dim, S_PAD=MAX_SPLITS, num_warps=4,
+            indptr, parts.o, parts.lse, out, out.stride(0), out.stride(1), v_scale, num_heads,
+            splits, partials, D=head_dim, S_PAD=MAX_SPLITS,
+            # The tile matters to the chunks only: one merge binary for even ones.
+            BLOCK_PAGES=decode_plan.block_pages if decode_plan.chunk_pages else 1,
+            CHUNK_PAGES=decode_plan.chunk_pages, num_warps=4,
         )  # fmt: skip
     return out
 
