@@ -61,6 +61,28 @@ def test_product_matches_float64_of_the_quantized_operands(
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("path", ["scaled_mm", "reference"])
+def test_a_product_takes_rows_quantized_where_they_were_made(path: str) -> None:
+    """Rows quantized upstream (a norm or SiLU-and-mul kernel's ``Quantized``)
+    give the product of the same rows quantized here, bit for bit, through
+    ``fp8.linear`` and the projections' ``any_linear``; a full-precision
+    weight refuses them."""
+    from engine.layers.fp8_quant import Quantized
+    from engine.layers.linear import any_linear
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    q, scale = fp8.quantize_rows(torch.randn(48 if path == "scaled_mm" else 40, 256, generator=g))
+    b = torch.randn(q.shape[0], generator=g).to(torch.bfloat16)
+    rows = Quantized(*fp8.quantize_rows(x), torch.bfloat16)
+    want = fp8.linear(x, q, scale, b)
+    assert torch.equal(fp8.linear(rows, q, scale, b), want)
+    assert torch.equal(any_linear(rows, q, b, scale), want)
+    assert rows.shape == x.shape
+    with pytest.raises(AssertionError, match="full-precision weight"):
+        any_linear(rows, q.float(), b, None)
+
+
 def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     pages = runner.pool.allocator.alloc(-(-len(ids) // 4))
     assert pages is not None

@@ -1,7 +1,8 @@
 """On CUDA: FP8 products (the few-row kernel and ``torch._scaled_mm``) against
 float64 products of the quantized operands, an FP8 model's decode replayed
-from CUDA graphs against its eager forward, and FP8 KV pages through
-FlashInfer against the torch attention on the same pages."""
+from CUDA graphs against its eager forward, FP8 KV pages through FlashInfer
+against the torch attention on the same pages, and the quantization fused
+into the norm and SiLU-and-mul kernels against the separate kernels."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from graph_decode import (
 
 from engine.attention.torch_native import TorchNativeAttention
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
-from engine.layers import fp8, fp8_skinny
+from engine.layers import fp8, fp8_quant, fp8_skinny, linear, norm
 from engine.layers.linear import any_linear
 from engine.runner import ModelRunner
 
@@ -190,3 +191,59 @@ def test_fp8_kv_stays_near_bf16_kv_on_the_gpu() -> None:
             out.append(r.forward_logits(batch).float())
     rel = ((out[0] - out[1]).norm() / out[1].norm()).item()
     assert 0 < rel < 0.1, rel
+
+
+def _same_but_a_step(got: fp8_quant.Quantized, want_q: torch.Tensor, want_s: torch.Tensor) -> None:
+    """e4m3 values equal but for a few one step apart (the activation rounded
+    from sums in another order), scales within a bf16 step of the amax."""
+    assert ((got.scale - want_s).abs() <= want_s * 2.0**-8).all()
+    a, b = got.q.float(), want_q.float()
+    step = 2.0 ** (torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(2**-6))) - 3)
+    assert ((a - b).abs() <= step).all()
+    assert (a == b).float().mean().item() > 0.99
+
+
+def test_norm_and_silu_quantization_match_the_separate_kernels() -> None:
+    """One kernel for the residual add, RMSNorm and the per-token quantization
+    against FlashInfer's fused add + RMSNorm then the quantization kernel
+    (the residual sum bit for bit); likewise SiLU-and-mul, at Llama-3.1-8B's
+    widths."""
+    from engine.layers.kernels import FlashInferKernels
+
+    kernels = FlashInferKernels()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(64, 4096, device="cuda", generator=g).to(torch.bfloat16) for _ in "xr")
+    w = (torch.rand(4096, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    y, h = kernels.add_rms_norm(x.clone(), r.clone(), w, 1e-5)
+    got, got_h = fp8_quant.norm_quantize(x.clone(), r.clone(), w, 1e-5)
+    assert torch.equal(got_h, h)
+    _same_but_a_step(got, *fp8_quant.quantize_rows(y))
+    gate_up = torch.randn(64, 2 * 14336, device="cuda", generator=g).to(torch.bfloat16)
+    want = fp8_quant.quantize_rows(kernels.silu_and_mul(gate_up))
+    _same_but_a_step(fp8_quant.silu_mul_quantize(gate_up), *want)
+
+
+def test_an_fp8_prefill_quantizes_in_the_norm_and_silu_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 40-token prefill (past the few-row kernel): only the attention
+    output goes through the quantization kernel, one per layer instead of
+    four; the logits stay near those of the separate kernels."""
+    runner = _runner(0, quantization="fp8")
+    prefill, pages = _prompt_prefill(runner)
+    calls = []
+    real = fp8_quant.quantize_rows
+    monkeypatch.setattr(fp8_quant, "quantize_rows", lambda x: calls.append(1) or real(x))
+    layers = runner.model_config.num_layers
+    with torch.inference_mode():
+        fused = runner.forward_logits(prefill).float()
+        assert len(calls) == layers
+        calls.clear()
+        monkeypatch.setattr(linear, "quantized_upstream", lambda layer, rows: False)
+        monkeypatch.setattr(norm, "quantized_upstream", lambda layer, rows: False)
+        separate = runner.forward_logits(prefill).float()
+        assert len(calls) == 4 * layers
+    rel = ((fused - separate).norm() / separate.norm()).item()
+    print(f"fused against separate quantization: logits {rel:.2e} apart")
+    assert rel < 2e-2
+    runner.pool.allocator.free(pages)

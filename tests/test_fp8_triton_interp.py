@@ -1,6 +1,8 @@
 """The FP8 few-row kernel (``engine.layers.fp8_skinny``) under Triton's
 interpreter (no GPU needed) against float64 products of the operands it
-quantizes, and against ``engine.layers.fp8.linear``'s numbers.
+quantizes, and against ``engine.layers.fp8.linear``'s numbers; the
+quantization kernels (alone, and fused with the norm or SiLU-and-mul before
+it) against ``fp8.quantize_rows``.
 
 The interpreter must be chosen before triton is first imported, so these run
 in a child process started with ``TRITON_INTERPRET=1``
@@ -108,3 +110,55 @@ def test_the_quantization_kernel_gives_torchs_numbers(rows: int, k: int, block_k
     want_q, want_s = fp8.quantize_rows(x)
     assert q.dtype == fp8.E4M3 and torch.equal(s, want_s)
     assert torch.equal(q.float(), want_q.float())
+
+
+def _within_a_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """e4m3 values equal, or one step apart (the activation rounded from sums
+    in another order), or, the interpreter's known mis-rounding, half a
+    power of two the reference rounded up to; most of them equal."""
+    got, want = got.float(), want.float()
+    mag = torch.maximum(got.abs(), want.abs()).clamp_min(2.0**-6)
+    step = 2.0 ** (torch.floor(torch.log2(mag)) - 3)
+    near = (got - want).abs() <= step
+    halved = (got * 2 == want) & (torch.log2(want.abs()) % 1 == 0)
+    assert (near | halved).all(), (got[~(near | halved)], want[~(near | halved)])
+    assert (got == want).float().mean().item() > 0.9
+
+
+@interpreted
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(("rows", "k"), [(5, 96), (2, 200)])
+def test_norm_and_quantization_in_one_kernel(rows: int, k: int, with_residual: bool) -> None:
+    """``fp8_quant.norm_quantize``: the residual sum rounded once (exact), and
+    the norm's output as the separate kernels would write it, quantized as
+    ``fp8.quantize_rows`` does; no residual: the input comes back as it."""
+    from engine.layers import fp8_quant
+
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=g).to(torch.float16)
+    r = torch.randn(rows, k, generator=g).to(torch.float16)
+    w = (torch.rand(k, generator=g) + 0.5).to(torch.float16)
+    res = r.clone() if with_residual else None
+    got, h = fp8_quant.norm_quantize(x, res, w, 1e-6)
+    want_h = (x.float() + r.float()).to(torch.float16) if with_residual else x
+    assert torch.equal(h, want_h) and (h is res if with_residual else h is x)
+    hf = want_h.float()
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(torch.float16)
+    want_q, want_s = fp8.quantize_rows(y)
+    assert got.dtype == torch.float16 and got.shape == (rows, k)
+    assert ((got.scale - want_s).abs() <= want_s * 2.0**-10).all()  # one fp16 step of the amax
+    _within_a_step(got.q, want_q)
+
+
+@interpreted
+def test_silu_mul_and_quantization_in_one_kernel() -> None:
+    from engine.layers import fp8_quant
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(4, 2 * 80, generator=g) * 2).to(torch.float16)
+    got = fp8_quant.silu_mul_quantize(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want_q, want_s = fp8.quantize_rows((torch.nn.functional.silu(gate) * up).to(torch.float16))
+    assert got.shape == (4, 80) and got.dtype == torch.float16
+    assert ((got.scale - want_s).abs() <= want_s * 2.0**-10).all()
+    _within_a_step(got.q, want_q)

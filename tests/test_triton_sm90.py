@@ -158,6 +158,18 @@ def test_fp8_activation_quantization(k: int, launches: list[Launch]) -> None:
     compile_all(launches, 1)
 
 
+@pytest.mark.parametrize(("hidden", "inter"), [(4096, 14336), (8192, 28672)])
+def test_fp8_quantization_fused_into_norm_and_silu(
+    hidden: int, inter: int, launches: list[Launch]
+) -> None:
+    """Llama-3.1-8B's and -70B's widths, each row held whole (up to 32k values)."""
+    x, w = _empty(64, hidden), _empty(hidden)
+    fp8_quant.norm_quantize(x, _empty(64, hidden), w, 1e-5)
+    fp8_quant.norm_quantize(x, None, w, 1e-5)
+    fp8_quant.silu_mul_quantize(_empty(64, 2 * inter))
+    compile_all(launches, 3)
+
+
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b"])
 def test_mixture_of_experts_every_kernel_choice(preset: str, launches: list[Launch]) -> None:
     """What ``moe_triton.warm_up`` compiles when a CUDA runner starts:

@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from engine.layers import fp8_quant
-from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Quantized
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,29 +43,37 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor | Quantized,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for the FP8 weight ``(q, scale)``, ``x`` quantized
-    per token; the result in ``x``'s dtype. ``torch._scaled_mm`` (cuBLASLt's
-    FP8 tensor-core GEMM on Hopper, its own kernel on the CPU) where it takes
-    the shapes and dtype, else ``reference_product``. (On CUDA a few rows take
+    per token (here, or already by the kernel that made it: ``Quantized``);
+    the result in ``x``'s dtype. ``torch._scaled_mm`` (cuBLASLt's FP8
+    tensor-core GEMM on Hopper, its own kernel on the CPU) where it takes the
+    shapes and dtype, else ``reference_product``. (On CUDA a few rows take
     ``engine.layers.fp8_skinny`` instead: ``engine.layers.linear.any_linear``.)"""
-    x2 = x.reshape(-1, x.shape[-1])
-    # On CUDA in one kernel (fp8_quant), elsewhere in torch ops: the same numbers.
-    xq, sx = fp8_quant.quantize_rows(x2) if x2.is_cuda else quantize_rows(x2)
-    if scaled_mm_fits(xq, q, x.dtype):
+    if isinstance(x, Quantized):
+        xq, sx, dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
+    else:
+        x2 = x.reshape(-1, x.shape[-1])
+        # On CUDA in one kernel (fp8_quant), elsewhere in torch ops: the same numbers.
+        xq, sx = fp8_quant.quantize_rows(x2) if x2.is_cuda else quantize_rows(x2)
+        dtype, lead = x.dtype, x.shape[:-1]
+    if scaled_mm_fits(xq, q, dtype):
         y = torch._scaled_mm(
             xq,
             q.t(),
             scale_a=sx[:, None].contiguous(),
             scale_b=scale.float()[None, :].contiguous(),
-            out_dtype=x.dtype,
+            out_dtype=dtype,
         )
     else:
-        y = reference_product(xq, sx, q, scale).to(x.dtype)
+        y = reference_product(xq, sx, q, scale).to(dtype)
     if bias is not None:
         y = y + bias
-    return y.reshape(*x.shape[:-1], q.shape[0])
+    return y.reshape(*lead, q.shape[0])
 
 
 def scaled_mm_fits(xq: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -1,16 +1,23 @@
-"""Per-token FP8 quantization of activations in one Triton kernel (CUDA).
+"""Per-token FP8 quantization of activations in Triton kernels (CUDA).
 
 ``engine.layers.fp8.quantize_rows`` in torch ops is five kernels (amax, two
 divisions, clamp, cast) per projection; before ``torch._scaled_mm`` at decode
 batch sizes those launches cost more than the work. Here one program per row
 finds the row's amax over K, then writes ``round_e4m3(x / s)`` and ``s``: the
 same numbers (IEEE divisions, as torch's).
+
+Two more kernels make the activation and quantize it in the same pass, so the
+products after a norm or SiLU-and-mul take no quantization kernel of their
+own (``Quantized``): ``norm_quantize`` (the residual add and RMSNorm, as
+FlashInfer's fused kernel computes them) and ``silu_mul_quantize``. Each holds
+a row in registers; the value quantized is the one the unfused kernel would
+have written, rounded to the model's dtype.
 """
 
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,6 +25,21 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
 SCALE_FLOOR = 1e-12
 """Floor of a scale, so an all-zero row or token quantizes to zeros."""
+FUSED_MAX_K = 32768
+"""Widest row the fused kernels hold in registers."""
+
+
+class Quantized(NamedTuple):
+    """Activations quantized per token: e4m3 rows ``[M, K]``, their float32
+    scales ``[M]``, and the dtype they were made in (the product's output)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 @cache
@@ -52,6 +74,90 @@ def _kernel() -> Any:
         tl.store(scale + row, s)
 
     return quantize_rows_kernel
+
+
+@cache
+def _fused_kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    # Both end as quantize_rows_kernel does, on a row held whole.
+    @triton.jit
+    def norm_quantize_kernel(x, residual, weight, q, scale, K, stride_x, stride_r, stride_q, eps,
+                             HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr,
+                             FLOOR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK)
+        live = k < K
+        h = tl.load(x + row * stride_x + k, mask=live, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual + row * stride_r + k, mask=live, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(residual.dtype.element_ty)
+            tl.store(residual + row * stride_r + k, h, mask=live)
+        hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
+        w = tl.load(weight + k, mask=live, other=0.0).to(tl.float32)
+        y = (hf * rstd * w).to(x.dtype.element_ty).to(tl.float32)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), FLOOR)
+        v = tl.clamp(tl.math.div_rn(y, s), -FP8_MAX, FP8_MAX)
+        tl.store(q + row * stride_q + k, v.to(tl.float8e4nv), mask=live)
+        tl.store(scale + row, s)
+
+    @triton.jit
+    def silu_mul_quantize_kernel(gate_up, q, scale, N, stride_g, stride_q,
+                                 FP8_MAX: tl.constexpr, FLOOR: tl.constexpr,
+                                 BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK)
+        live = k < N
+        g = tl.load(gate_up + row * stride_g + k, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(gate_up + row * stride_g + N + k, mask=live, other=0.0).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(gate_up.dtype.element_ty).to(tl.float32)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), FLOOR)
+        v = tl.clamp(tl.math.div_rn(y, s), -FP8_MAX, FP8_MAX)
+        tl.store(q + row * stride_q + k, v.to(tl.float8e4nv), mask=live)
+        tl.store(scale + row, s)
+
+    return norm_quantize_kernel, silu_mul_quantize_kernel
+
+
+def _row_launch(k: int) -> dict[str, int]:
+    block = 1 << (k - 1).bit_length()
+    return {"BLOCK": block, "num_warps": min(16, max(4, block // 1024))}
+
+
+def norm_quantize(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[Quantized, torch.Tensor]:
+    """``(quantized rms_norm(x + residual), x + residual)`` in one kernel: the
+    sum rounded to ``x``'s dtype (written into ``residual``), the norm's
+    output rounded the same before it is quantized. ``residual`` None:
+    ``(quantized rms_norm(x), x)``. Rows of ``x`` ``[M, K]`` contiguous."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=E4M3, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    res = x if residual is None else residual
+    if m:
+        _fused_kernels()[0][(m,)](
+            x, res, weight, q, scale, k, x.stride(0), res.stride(0), q.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR,
+            **_row_launch(k),
+        )  # fmt: skip
+    return Quantized(q, scale, x.dtype), res
+
+
+def silu_mul_quantize(gate_up: torch.Tensor) -> Quantized:
+    """``silu(gate) * up`` of ``gate_up`` ``[M, 2N]`` (``[gate | up]``), rounded
+    to its dtype and quantized per row, in one kernel."""
+    m, n = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty((m, n), dtype=E4M3, device=gate_up.device)
+    scale = torch.empty(m, dtype=torch.float32, device=gate_up.device)
+    if m:
+        _fused_kernels()[1][(m,)](
+            gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
+            FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR, **_row_launch(n),
+        )  # fmt: skip
+    return Quantized(q, scale, gate_up.dtype)
 
 
 def quantize_rows(x: torch.Tensor, block_k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from engine.layers import fp8 as fp8_math
-from engine.layers import fp8_skinny
+from engine.layers import fp8_quant, fp8_skinny
+from engine.layers.fp8_quant import Quantized
 from engine.layers.gemv import linear, silu_mul_linear
 
 
@@ -40,7 +41,7 @@ class MergedLinear(nn.Module):
             start += size
         raise KeyError(name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         return any_linear(x, self.weight, self.bias, self.weight_scale)
 
 
@@ -53,7 +54,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias)
         fp8_math.weight_format(self, fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         return any_linear(x, self.weight, self.bias, self.weight_scale)
 
     def silu_mul_forward(
@@ -62,18 +63,22 @@ class Linear(nn.Linear):
         """``self(silu_and_mul(gate_up))``, fused where the GEMV kernel applies."""
         assert self.bias is None
         if self.weight_scale is not None:
-            return any_linear(silu_and_mul(gate_up), self.weight, None, self.weight_scale)
+            return self(silu_mul_input(self, gate_up, silu_and_mul))
         return silu_mul_linear(gate_up, self.weight, silu_and_mul)
 
 
 def any_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Quantized,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """``linear``, or the FP8 product where the weight has a scale: on CUDA,
-    a few rows in ``fp8_skinny``'s one kernel, else ``fp8.linear``."""
+    a few rows in ``fp8_skinny``'s one kernel, else ``fp8.linear`` (which
+    takes rows already quantized, ``Quantized``, as they are)."""
+    if isinstance(x, Quantized):
+        assert weight_scale is not None, "quantized rows for a full-precision weight"
+        return fp8_math.linear(x, weight, weight_scale, bias)
     if weight_scale is None:
         return linear(x, weight, bias)
     if x.is_cuda and x.dim() == 2:
@@ -81,3 +86,30 @@ def any_linear(
         if t is not None:
             return fp8_skinny.run(x, weight, weight_scale, bias, t)
     return fp8_math.linear(x, weight, weight_scale, bias)
+
+
+def quantized_upstream(layer: nn.Module, rows: torch.Tensor) -> bool:
+    """Whether ``layer`` takes its input quantized per token by the kernel
+    that makes it (a norm, SiLU-and-mul: ``engine.layers.fp8_quant``): an
+    FP8 weight, ``rows`` (the input, or what it is made from, row for row)
+    bf16 on CUDA, and more of them than the few-row kernel takes (that one
+    reads half-precision rows itself)."""
+    if getattr(layer, "weight_scale", None) is None:
+        return False
+    if not rows.is_cuda or rows.dtype != torch.bfloat16 or rows.dim() != 2:
+        return False
+    n, k = layer.weight.shape
+    few = rows.shape[0] <= fp8_skinny.MAX_ROWS and fp8_skinny.tiles(n, k) is not None
+    return not few and k <= fp8_quant.FUSED_MAX_K
+
+
+def silu_mul_input(
+    layer: nn.Module,
+    gate_up: torch.Tensor,
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor | Quantized:
+    """``silu_and_mul(gate_up)``, quantized in the same kernel where
+    ``layer`` takes it so."""
+    if quantized_upstream(layer, gate_up):
+        return fp8_quant.silu_mul_quantize(gate_up)
+    return silu_and_mul(gate_up)

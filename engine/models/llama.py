@@ -14,6 +14,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.attention.rope_kv_write import QKPrologue
 from engine.layers import fp8, moe
+from engine.layers.fp8_quant import Quantized
 from engine.layers.gemv import linear
 from engine.layers.kernels import LayerKernels, RotaryInput
 from engine.layers.moe import SparseMoE
@@ -50,7 +51,9 @@ class Attention(nn.Module):
         carries them (``LlamaForCausalLM.scale_kv``): pages hold ``k / k_scale``
         and ``v / v_scale``; None: values as they are."""
 
-    def forward(self, x: torch.Tensor, rope: RotaryInput, attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | Quantized, rope: RotaryInput, attn: AttentionBackend
+    ) -> torch.Tensor:
         n = x.shape[0]
         # Views into the projection's output: the kernels read them through their
         # strides (rotary may rotate them in place), so no copy is made.
@@ -94,7 +97,7 @@ class MLP(nn.Module):
         self.gate_up_proj = tp_layers.gate_up_proj(cfg, tp, inter)
         self.down_proj = tp_layers.down_proj(cfg, tp, inter)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x), self.kernels.silu_and_mul)
 
 
@@ -126,12 +129,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream before it)``: the add of the two is left
         to the next norm, which fuses it (``residual`` None: the first layer)."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+        # An FP8 product after a norm takes the norm's output quantized in the
+        # norm's kernel (RMSNorm.forward_for); a sparse MLP takes it as it is.
+        h, residual = self.input_layernorm.forward_for(h, residual, self.self_attn.qkv_proj)
         h = self.self_attn(h, rope, attn)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None
+        h, residual = self.post_attention_layernorm.forward_for(h, residual, gate_up)
         return self.mlp(h), residual
 
 

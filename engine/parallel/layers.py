@@ -23,8 +23,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.layers import fp8 as fp8_math
+from engine.layers.fp8_quant import Quantized
 from engine.layers.gemv import silu_mul_linear
-from engine.layers.linear import Linear, MergedLinear, any_linear
+from engine.layers.linear import Linear, MergedLinear, any_linear, silu_mul_input
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 
@@ -61,7 +62,7 @@ class RowParallelLinear(nn.Module):
             return tensor
         return tensor[:, self.cols[0] : self.cols[1]]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         return self.tp.all_reduce(any_linear(x, self.weight, None, self.weight_scale))
 
     def silu_mul_forward(
@@ -69,7 +70,7 @@ class RowParallelLinear(nn.Module):
     ) -> torch.Tensor:
         """``self(silu_and_mul(gate_up))``, fused where the GEMV kernel applies."""
         if self.weight_scale is not None:
-            return self(silu_and_mul(gate_up))
+            return self(silu_mul_input(self, gate_up, silu_and_mul))
         return self.tp.all_reduce(silu_mul_linear(gate_up, self.weight, silu_and_mul))
 
 
