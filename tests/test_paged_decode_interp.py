@@ -205,6 +205,24 @@ def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert plan(256, 8, chunk_pages=16).partials == 32
 
 
+def test_graphs_share_one_split_scratch() -> None:
+    """Captured largest first, every size's plan takes a prefix of one
+    buffer (none without partials); a size that needs more later gets a new
+    buffer and the old one stays, since graphs captured on it read it."""
+    from engine.attention.paged_decode import SharedScratch
+
+    shared = SharedScratch(64, "cpu")
+    assert shared.take(256, 32, plan(256, 8)) is None  # one split: no partials
+    first = shared.take(8, 32, plan(8, 8))  # 8 splits: 8 x 32 x 8 rows
+    assert first is not None and first.o.shape == (2048, 64) and first.lse.shape == (2048,)
+    again = shared.take(1, 32, plan(1, 8))  # 32 splits: 1024 rows, the same buffer
+    assert again is not None and again.o.data_ptr() == first.o.data_ptr()
+    assert len(shared.buffers) == 1
+    chunked = shared.take(4, 32, plan(4, 8, chunk_pages=16))  # 32 partials: 4096 rows
+    assert chunked is not None and chunked.o.shape == (4096, 64)
+    assert len(shared.buffers) == 2 and shared.buffers[0].o.data_ptr() == first.o.data_ptr()
+
+
 def test_refuses_what_it_cannot_take() -> None:
     from engine.attention.paged_decode import check
 

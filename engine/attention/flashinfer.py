@@ -190,11 +190,9 @@ class FlashInferAttention(AttentionBackend):
         """This forward's decode rows on the Triton kernel (None: on FlashInfer's)."""
         self._sms = torch.cuda.get_device_properties(pool.kv.device).multi_processor_count
         """The GPU's SMs, which the Triton kernel's splits are planned to fill."""
-        self._graph_scratch: list[paged_decode.Scratch] = []
+        self._graph_scratch = paged_decode.SharedScratch(head_dim, pool.kv.device)
         """The Triton kernel's split scratch in the decode graphs, one for every
-        size and slot (the graphs replay one after another on one stream). The
-        sizes are captured largest first, so one is made; a larger one later
-        gets a new one, and the older stay alive for the graphs that read them."""
+        size and slot."""
 
     # -- planning
 
@@ -330,23 +328,12 @@ class FlashInferAttention(AttentionBackend):
             rows, self.num_kv_heads, sms=self._sms, chunk_pages=DECODE_CHUNK_PAGES
         )
         if graph:
-            scratch = self._shared_scratch(rows * self.num_heads * plan.partials)
+            scratch = self._graph_scratch.take(rows, self.num_heads, plan)
         else:
             scratch = paged_decode.scratch_for(
                 rows, self.num_heads, self.head_dim, plan.partials, self.pool.kv.device
             )
         return TritonDecode(plan, indptr, indices, last_len, scratch)
-
-    def _shared_scratch(self, rows: int) -> paged_decode.Scratch | None:
-        """``rows`` rows of the graphs' shared split scratch."""
-        if not rows:
-            return None
-        if not self._graph_scratch or self._graph_scratch[-1].lse.numel() < rows:
-            whole = paged_decode.scratch_for(rows, 1, self.head_dim, 1, self.pool.kv.device)
-            assert whole is not None
-            self._graph_scratch.append(whole)
-        whole = self._graph_scratch[-1]
-        return paged_decode.Scratch(whole.o[:rows], whole.lse[:rows])
 
     def next_slot(self) -> int:
         """The slot the next forward plans into (graphs are captured per slot)."""

@@ -230,6 +230,32 @@ def scratch_for(
     )
 
 
+class SharedScratch:
+    """Split scratch that many CUDA graphs share: each graph's kernels read
+    and write a prefix of one buffer, which is safe because the graphs replay
+    one after another on one stream, and each consumes its partials within
+    the same layer. Sizes captured largest first make one buffer; a larger
+    request later gets a new one, and the older stay alive for the graphs
+    that hold their addresses."""
+
+    def __init__(self, head_dim: int, device: torch.device | str) -> None:
+        self.head_dim = head_dim
+        self.device = device
+        self.buffers: list[Scratch] = []
+
+    def take(self, batch_size: int, num_heads: int, decode_plan: DecodePlan) -> Scratch | None:
+        """The scratch of one graph's plan (None where it has no partials)."""
+        rows = batch_size * num_heads * decode_plan.partials
+        if not rows:
+            return None
+        if not self.buffers or self.buffers[-1].lse.numel() < rows:
+            whole = scratch_for(rows, 1, self.head_dim, 1, self.device)
+            assert whole is not None
+            self.buffers.append(whole)
+        whole = self.buffers[-1]
+        return Scratch(whole.o[:rows], whole.lse[:rows])
+
+
 def shape_refusal(head_dim: int, page_size: int) -> str | None:
     """Why the kernel cannot take a model's heads or pages, or None (checked
     when an engine's config is resolved, and on every call)."""
