@@ -2,13 +2,13 @@
 request, bf16/fp16 queries, pages in the model's dtype or in e4m3.
 
 Decode attention is bound by the bytes of K and V it reads; e4m3 pages halve
-them. Each program takes one request, one KV head and one split of the
-request's pages, and computes the attention of the KV head's whole group of
-query heads (``G`` = query heads per KV head, padded to the matrix units'
-16 rows) over that split with an online softmax: ``S = Q K^T`` and ``O += P V``
+them. Each program takes one request, one KV head and one chunk of the
+request's pages at a time, and computes the attention of the KV head's whole
+group of query heads (``G`` = query heads per KV head, padded to the matrix
+units' 16 rows) over that chunk with an online softmax: ``S = Q K^T`` and ``O += P V``
 on the tensor cores, K and V tiles of ``block_pages`` pages gathered through the
 page table and widened in registers (e4m3 to fp16, exactly). So each K/V byte
-is read once per step, by the one program of its head and split.
+is read once per step, by the one program of its head and chunk.
 
 A request's pages fall into chunks, and the ``splits`` programs of a request
 and KV head take its chunks in turn (chunk ``c`` to program ``c mod
@@ -24,8 +24,8 @@ The chunks, two ways (``DecodePlan.chunk_pages``):
   split count depends on the batch size alone (``plan``: enough programs for
   the GPU), so a prompt's attention is summed in a different order alone and
   in a batch.
-- N > 0: chunks of at least N pages, fewer than ``MAX_SPLITS`` (a multiple of
-  the tile), fixed by the request's page count alone: the same sums in the
+- N > 0: chunks of at least N pages (a multiple of the tile), at most
+  ``MAX_SPLITS`` of them, fixed by the request's page count alone: the same sums in the
   same order at every batch size, so a request's output does not depend on
   the batch it runs in. The cost: partials for every request longer than one
   chunk, even where the batch alone fills the GPU.
