@@ -29,6 +29,7 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_CHOICES = ("auto", *sorted(ATTENTION_BACKENDS))
 """``auto`` plus the registered attention backends."""
 DECODE_KERNEL_CHOICES = ("auto", *DECODE_KERNELS)
+"""``auto`` plus the flashinfer backend's decode kernels."""
 
 CUDA_TOKEN_BUDGET = 8192
 """Tokens per forward on CUDA (see the token-budget table in the docs)."""

@@ -322,7 +322,7 @@ class FlashInferAttention(AttentionBackend):
         graph: bool = False,
     ) -> TritonDecode:
         """The plan of ``rows`` decode rows and its split scratch: for a
-        graph, the one kept for its size's replays; else one for this
+        graph, a prefix of the graphs' shared one; else one for this
         forward's layers."""
         plan = paged_decode.plan(
             rows, self.num_kv_heads, sms=self._sms, chunk_pages=DECODE_CHUNK_PAGES
