@@ -35,23 +35,26 @@ def _exact_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 
 @interpreted
-@pytest.mark.parametrize("unroll", [True, False])
+@pytest.mark.parametrize("unroll", [True, False, "quantized"])
 @pytest.mark.parametrize(("rows", "bias", "split_k"), [(1, False, 1), (3, True, 2), (4, False, 4)])
 def test_rows_match_float64_of_the_quantized_operands(
-    rows: int, bias: bool, split_k: int, unroll: bool
+    rows: int, bias: bool, split_k: int, unroll: bool | str
 ) -> None:
     """Against float64 products, unsplit and split over K (the last arrival
-    adds the partials), the scale pass unrolled or looped."""
+    adds the partials), the scale pass unrolled or looped, or the rows handed
+    over quantized (``Quantized``: no scale pass)."""
     from engine.layers import fp8_skinny
+    from engine.layers.fp8_quant import Quantized
 
     g = torch.Generator().manual_seed(rows)
     n, k = 64, 512
     x = _exact_rows(rows, k, g)  # rows of different magnitudes, each scaled on its own
     q, s = fp8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
     b = torch.randn(n, generator=g).to(torch.float16) if bias else None
-    t = fp8_skinny.Tiles(32, 64, split_k, 4, 1, unroll)  # 8 / split_k k tiles per split
-    got = fp8_skinny.run(x, q, s, b, t)
+    t = fp8_skinny.Tiles(32, 64, split_k, 4, 1, unroll is True)  # 8 / split_k k tiles a split
     xq, sx = fp8.quantize_rows(x)
+    given = Quantized(xq, sx, x.dtype) if unroll == "quantized" else x
+    got = fp8_skinny.run(given, q, s, b, t)
     assert torch.equal(fp8.dequantize_rows(xq, sx), x.float())  # exact, as intended
     ref = x.double() @ fp8.dequantize_rows(q, s).double().t()
     if b is not None:
@@ -79,11 +82,15 @@ def test_rows_of_zeros_and_the_saturating_element() -> None:
 
 def test_what_takes_the_kernel() -> None:
     from engine.layers import fp8_skinny
+    from engine.layers.fp8_quant import Quantized
 
     q = torch.zeros(4096, 4096, dtype=fp8.E4M3)
     x = torch.zeros(16, 4096, dtype=torch.bfloat16)
     assert fp8_skinny.fits(x[:1], q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)
     assert fp8_skinny.fits(x, q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)  # 16 rows: the same
+    rows = Quantized(x.to(fp8.E4M3), torch.ones(16), torch.bfloat16)
+    assert fp8_skinny.fits(rows, q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)  # already quantized
+    assert fp8_skinny.fits(rows._replace(dtype=torch.float32), q) is None  # float32 output
     assert fp8_skinny.fits(torch.zeros(17, 4096, dtype=torch.bfloat16), q) is None  # too many
     assert fp8_skinny.fits(x.float(), q) is None  # float32 input: the general path
     assert fp8_skinny.fits(x, q.float()) is None  # not an FP8 weight

@@ -85,9 +85,10 @@ def _reference(
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 32), (2, 2, 16), (12, 2, 32)])
 @pytest.mark.parametrize("kv_dtype", [torch.float16, KV_FP8])
 @pytest.mark.parametrize(
-    ("splits", "block_pages", "chunk_pages"),
-    [(1, 2, 0), (4, 1, 0), (32, 2, 0), (1, 2, 2), (4, 1, 3), (32, 2, 1)],
-)
+    ("splits", "block_pages", "chunk_pages", "early_v"),
+    [(1, 2, 0, False), (4, 1, 0, True), (32, 2, 0, False), (1, 2, 2, True), (4, 1, 3, False),
+     (32, 2, 1, True)],
+)  # fmt: skip
 def test_matches_float64_attention_over_the_same_pages(
     heads: int,
     kv_heads: int,
@@ -96,6 +97,7 @@ def test_matches_float64_attention_over_the_same_pages(
     splits: int,
     block_pages: int,
     chunk_pages: int,
+    early_v: bool,
 ) -> None:
     from engine.attention.paged_decode import paged_decode
 
@@ -113,7 +115,7 @@ def test_matches_float64_attention_over_the_same_pages(
     out = out_buf[:, 1 : heads + 1]
     scales = (0.5, 2.0) if kv_dtype == KV_FP8 else (1.0, 1.0)
     sm_scale = 1 / math.sqrt(head_dim)
-    decode_plan = DecodePlan(splits, block_pages, chunk_pages=chunk_pages)
+    decode_plan = DecodePlan(splits, block_pages, chunk_pages=chunk_pages, early_v=early_v)
     paged_decode(q, pool.k_layer(LAYER), pool.v_layer(LAYER), indptr, indices, last, out,
                  sm_scale, decode_plan, k_scale=scales[0], v_scale=scales[1])  # fmt: skip
     ref = _reference(q, pool, LENGTHS, tables, sm_scale, scales)
@@ -196,6 +198,12 @@ def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert plan(1, 1).splits == 32  # at most MAX_SPLITS
     assert [plan(b, 8, sms=16).splits for b in (1, 2, 4, 8)] == [4, 2, 1, 1]  # a smaller GPU
     assert (plan(4, 8, block_pages=8).warps, plan(4, 8).warps) == (8, 4)
+    # Tiles: 8 pages where the batch fills the GPU (4 warps over e4m3 pages),
+    # V with K over e4m3; batch-invariant chunks keep 4-page tiles at any batch.
+    assert [plan(b, 8).block_pages for b in (1, 32, 33, 256)] == [4, 4, 8, 8]
+    assert plan(256, 8) == DecodePlan(1, 8, 8, 2)
+    assert plan(256, 8, e4m3=True) == DecodePlan(1, 8, 4, 2, early_v=True)
+    assert plan(1, 8, e4m3=True) == DecodePlan(32, 4, 4, 2, early_v=True)
     assert [group_rows(h, 8) for h in (8, 32, 64, 256)] == [16, 16, 16, 32]
     assert group_rows(48, 8) == 16  # a group of 6
     # Scratch rows per request and head: none for one split, one per split,

@@ -29,6 +29,7 @@ except ImportError as e:  # Triton's internals moved: say so, do not fail the su
     pytest.skip(f"triton {triton.__version__}: {e}", allow_module_level=True)
 
 from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_triton, skinny  # noqa: E402
+from engine.layers.fp8_quant import Quantized  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 
@@ -149,7 +150,9 @@ def test_fp8_few_rows(name: str, bias: bool, launches: list[Launch]) -> None:
     b = _empty(n) if bias else None
     fp8_skinny.run(x, q, _empty(n, dtype=torch.float32), b, t)
     fp8_skinny.run(x, q, _empty(n, dtype=torch.float32), b, t._replace(unroll_scale=False))
-    compile_all(launches, 2)
+    rows = Quantized(_empty(3, k, dtype=fp8.E4M3), _empty(3, dtype=torch.float32), x.dtype)
+    fp8_skinny.run(rows, q, _empty(n, dtype=torch.float32), b, t)
+    compile_all(launches, 3)
 
 
 @pytest.mark.parametrize("k", [4096, 14336])
@@ -308,12 +311,13 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
             q = _empty(batch, c.num_heads + 2 * c.num_kv_heads, d)[:, : c.num_heads]
             out = _empty(batch, c.num_heads, d)
             ints = torch.zeros(batch + 1, dtype=torch.int32)
-            plan = pd.plan(batch, c.num_kv_heads, block_pages=block)
+            e4m3 = kv_dtype == fp8.E4M3  # V loaded with K, 8-page tiles on 4 warps
+            plan = pd.plan(batch, c.num_kv_heads, block_pages=block, e4m3=e4m3)
             assert (plan.splits > 1) == (batch < 256)
             pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch], out,
                             d**-0.5, plan)  # fmt: skip
             if block == 4 and batch != 8:
-                chunked = pd.plan(batch, c.num_kv_heads, chunk_pages=16)
+                chunked = pd.plan(batch, c.num_kv_heads, chunk_pages=16, e4m3=e4m3)
                 pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch],
                                 out, d**-0.5, chunked)  # fmt: skip
     compile_all(launches, 14)

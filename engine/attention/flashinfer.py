@@ -325,7 +325,11 @@ class FlashInferAttention(AttentionBackend):
         graph, a prefix of the graphs' shared one; else one for this
         forward's layers."""
         plan = paged_decode.plan(
-            rows, self.num_kv_heads, sms=self._sms, chunk_pages=DECODE_CHUNK_PAGES
+            rows,
+            self.num_kv_heads,
+            sms=self._sms,
+            chunk_pages=DECODE_CHUNK_PAGES,
+            e4m3=self.pool.kv.dtype == paged_decode.E4M3,
         )
         if graph:
             scratch = self._graph_scratch.take(rows, self.num_heads, plan)

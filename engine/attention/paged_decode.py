@@ -72,6 +72,9 @@ class DecodePlan(NamedTuple):
     chunk_pages: int = 0
     """0: a request's pages in ``splits`` even chunks; N: in chunks of at
     least N pages whatever the batch (batch-invariant sums)."""
+    early_v: bool = False
+    """Load a tile's V before its scores are computed, so that K and V are in
+    flight together (more bytes in flight a program, more registers)."""
 
     @property
     def partials(self) -> int:
@@ -85,19 +88,28 @@ class DecodePlan(NamedTuple):
 def plan(
     batch_size: int,
     num_kv_heads: int,
-    block_pages: int = 4,
+    block_pages: int | None = None,
     sms: int = H200_SMS,
     chunk_pages: int = 0,
+    e4m3: bool = False,
 ) -> DecodePlan:
     """Splits for ``batch_size`` requests: a power of two giving enough
     programs to fill a GPU of ``sms`` SMs (``PROGRAMS_PER_SM`` each), at most
-    ``MAX_SPLITS``; one where the batch alone fills it."""
+    ``MAX_SPLITS``; one where the batch alone fills it.
+
+    Tiles (``block_pages`` None), the best of a sweep on an H200 (Llama-3.1-8B's
+    heads, 1024-token contexts): where the batch alone fills the GPU, 8-page
+    tiles (4 warps over e4m3 pages, 8 over half-precision ones); split, 4-page
+    tiles on 4 warps. Over e4m3 pages V is loaded with K. Batch-invariant
+    chunks keep one tile at every batch size (a tile is a step of the sums)."""
     programs = batch_size * num_kv_heads
     splits = 1
     while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * sms:
         splits *= 2
-    warps = 8 if block_pages >= 8 else 4
-    return DecodePlan(splits, block_pages, warps, chunk_pages=chunk_pages)
+    if block_pages is None:
+        block_pages = 8 if splits == 1 and not chunk_pages else 4
+    warps = 8 if block_pages >= 8 and not e4m3 else 4
+    return DecodePlan(splits, block_pages, warps, chunk_pages=chunk_pages, early_v=e4m3)
 
 
 def group_rows(num_heads: int, num_kv_heads: int) -> int:
@@ -120,7 +132,8 @@ def _kernels() -> tuple[Any, Any]:
                      qk_scale, v_scale, splits, partials,
                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                      PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, CHUNK_PAGES: tl.constexpr,
-                     MAX_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+                     MAX_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr,
+                     EARLY_V: tl.constexpr):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -156,6 +169,9 @@ def _kernels() -> tuple[Any, Any]:
                 page = tl.load(indices + first + page_i, mask=page_i < hi, other=0).to(tl.int64)
                 kt = tl.load(k + page[:, None] * stride_kp + slot[:, None] * stride_kt
                              + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                if EARLY_V:
+                    vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                                 + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
                 scores = tl.dot(qv, tl.trans(kt.to(COMPUTE))) * qk_scale  # [G_PAD, BLOCK_N], log2
                 scores = tl.where(ok[None, :], scores, float("-inf"))
                 # A chunk's first tile holds a token (every chunk starts inside
@@ -165,8 +181,9 @@ def _kernels() -> tuple[Any, Any]:
                 alpha = tl.exp2(m - m_new)
                 p = tl.exp2(scores - m_new[:, None])
                 den = den * alpha + tl.sum(p, axis=1)
-                vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
-                             + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                if not EARLY_V:
+                    vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                                 + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
                 acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vt.to(COMPUTE))
                 m = m_new
             if n_chunks == 1:
@@ -321,6 +338,7 @@ def paged_decode(
         G=group, G_PAD=group_rows(num_heads, num_kv_heads), D=head_dim,
         PAGE=k_cache.shape[1], BLOCK_PAGES=decode_plan.block_pages,
         CHUNK_PAGES=decode_plan.chunk_pages, MAX_CHUNKS=MAX_SPLITS, COMPUTE=compute,
+        EARLY_V=decode_plan.early_v,
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
     )  # fmt: skip
     if partials:

@@ -6,14 +6,17 @@ slower on the H200 than the bf16 one (docs/benchmarks.md, FP8). Here the
 tensor cores take the e4m3 weight as it is stored, with the operands
 swapped as ``engine.layers.skinny`` does for bf16: ``out.T = Q @ xq.T``, the
 matrix units' wide side over the weight's output rows (``BLOCK_N``), the
-narrow one over the input rows (padded to ``BLOCK_M`` = 16). Each program
-quantizes the input rows itself (their amax over all of K, then
-``round_e4m3(x / sx)``, as ``engine.layers.fp8.quantize_rows`` does), so a
-product is one kernel:
+narrow one over the input rows (padded to ``BLOCK_M`` = 16):
 
     y[m, n] = sx[m] * s[n] * sum_k round_e4m3(x[m, k] / sx[m]) * Q[n, k]
 
 the same numbers as ``engine.layers.fp8.linear`` up to the order of the sum.
+The engine hands it rows quantized already (``Quantized``: by the norm or
+SiLU-and-mul before it, or ``fp8_quant.quantize_rows``), the same rows a
+larger batch hands ``torch._scaled_mm``, so a request's activations do not
+depend on its batch. Given half-precision rows, each program quantizes them
+itself (their amax over all of K, then ``round_e4m3(x / sx)``), so such a
+product is one kernel.
 Outputs with few row tiles and a long K may also be split over K, the partials
 added by the last split to arrive (``engine.layers.skinny``'s scheme and its
 scratch).
@@ -26,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Quantized
 from engine.layers.skinny import MAX_ROW_TILES, PARTIAL_BYTES, scratch_of
 
 MAX_ROWS = 16
@@ -80,10 +83,11 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def fp8_skinny(x, w, w_scale, bias, out, part, count, M, N, stride_x, K: tl.constexpr,
-                   FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, UNROLL_SCALE: tl.constexpr):  # fmt: skip
+    def fp8_skinny(x, x_scale, w, w_scale, bias, out, part, count, M, N, stride_x,
+                   K: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL_SCALE: tl.constexpr,
+                   PRE_QUANTIZED: tl.constexpr):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,22 +99,30 @@ def _kernel() -> Any:
         # Unrolled (K is a compile-time constant) the loads are independent
         # and in flight together: one memory latency, not one per tile of K.
         xs = x + ms[None, :] * stride_x + kk[:, None]
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if UNROLL_SCALE:
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                xa = tl.load(xs + k0, mask=m_ok[None, :], other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=0))
+        if PRE_QUANTIZED:
+            # x holds the rows in e4m3 already, their scales in x_scale.
+            sx = tl.load(x_scale + ms, mask=m_ok, other=1.0)
         else:
-            for k0 in range(0, K, BLOCK_K):
-                xa = tl.load(xs + k0, mask=m_ok[None, :], other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=0))
-        sx = tl.maximum(amax / FP8_MAX, SCALE_FLOOR)
+            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if UNROLL_SCALE:
+                for k0 in tl.static_range(0, K, BLOCK_K):
+                    xa = tl.load(xs + k0, mask=m_ok[None, :], other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=0))
+            else:
+                for k0 in range(0, K, BLOCK_K):
+                    xa = tl.load(xs + k0, mask=m_ok[None, :], other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=0))
+            sx = tl.maximum(amax / FP8_MAX, SCALE_FLOOR)
         k_len = K // SPLIT_K
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
             wv = tl.load(w + n[:, None] * K + (k0 + kk)[None, :])
             xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
-            xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+            if PRE_QUANTIZED:
+                xq = xv
+            else:
+                xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX)
+                xq = xq.to(tl.float8e4nv)
             acc = tl.dot(wv, xq, acc)
         scale = tl.load(w_scale + n)[:, None] * sx[None, :]
         out_ptrs = out + ms[None, :] * N + n[:, None]
@@ -140,35 +152,41 @@ def _kernel() -> Any:
     return fp8_skinny
 
 
-def fits(x: torch.Tensor, q: torch.Tensor) -> Tiles | None:
-    """The tiles for ``x`` ``[M, K]`` (``M <= MAX_ROWS``, contiguous rows,
-    half precision) against the e4m3 weight ``q``, or None."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(-1) != 1:
+def fits(x: torch.Tensor | Quantized, q: torch.Tensor) -> Tiles | None:
+    """The tiles for ``x`` ``[M, K]`` (``M <= MAX_ROWS``, contiguous rows, half
+    precision or already quantized) against the e4m3 weight ``q``, or None."""
+    rows = x.q if isinstance(x, Quantized) else x
+    if rows.dim() != 2 or not 1 <= rows.shape[0] <= MAX_ROWS or rows.stride(-1) != 1:
         return None
-    if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != E4M3 or not q.is_contiguous():
+    dtype = x.dtype if isinstance(x, Quantized) else rows.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or q.dtype != E4M3 or not q.is_contiguous():
         return None
-    if q.shape[1] != x.shape[1]:
+    if q.shape[1] != rows.shape[1]:
         return None
     return tiles(q.shape[0], q.shape[1])
 
 
 def run(
-    x: torch.Tensor,
+    x: torch.Tensor | Quantized,
     q: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     t: Tiles,
 ) -> torch.Tensor:
-    """The kernel on ``x`` ``[M, K]`` (any device Triton runs on)."""
-    m, k = x.shape
+    """The kernel on ``x`` ``[M, K]``, half precision (quantized here) or
+    ``Quantized`` (taken as it is), on any device Triton runs on."""
+    pre = isinstance(x, Quantized)
+    rows, dtype = (x.q, x.dtype) if pre else (x, x.dtype)
+    x_scale = x.scale if pre else scale
+    m, k = rows.shape
     n = q.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    parts, counts = scratch_of(x.device) if t.split_k > 1 else (out, out)
+    out = torch.empty((m, n), dtype=dtype, device=rows.device)
+    parts, counts = scratch_of(rows.device) if t.split_k > 1 else (out, out)
     _kernel()[(n // t.block_n, t.split_k)](
-        x, q, scale, scale if bias is None else bias, out, parts, counts, m, n, x.stride(0), k,
-        FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR, HAS_BIAS=bias is not None,
+        rows, x_scale, q, scale, scale if bias is None else bias, out, parts, counts, m, n,
+        rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR, HAS_BIAS=bias is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
-        UNROLL_SCALE=t.unroll_scale,
+        UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     return out

@@ -73,34 +73,43 @@ def any_linear(
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``linear``, or the FP8 product where the weight has a scale: on CUDA,
-    a few rows in ``fp8_skinny``'s one kernel, else ``fp8.linear`` (which
-    takes rows already quantized, ``Quantized``, as they are)."""
-    if isinstance(x, Quantized):
-        assert weight_scale is not None, "quantized rows for a full-precision weight"
-        return fp8_math.linear(x, weight, weight_scale, bias)
+    """``linear``, or the FP8 product where the weight has a scale. On CUDA
+    the rows are quantized per token first (unless they come ``Quantized``)
+    by the same kernels at every batch size; a few rows then take
+    ``fp8_skinny``, more ``fp8.linear`` (``torch._scaled_mm``)."""
     if weight_scale is None:
+        assert not isinstance(x, Quantized), "quantized rows for a full-precision weight"
         return linear(x, weight, bias)
-    if x.is_cuda and x.dim() == 2:
+    if not isinstance(x, Quantized) and _quantizes_on_cuda(x, weight):
+        x = Quantized(*fp8_quant.quantize_rows(x), x.dtype)
+    if isinstance(x, Quantized) and x.q.is_cuda:
         t = fp8_skinny.fits(x, weight)
         if t is not None:
             return fp8_skinny.run(x, weight, weight_scale, bias, t)
     return fp8_math.linear(x, weight, weight_scale, bias)
 
 
+def _quantizes_on_cuda(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether FP8 products quantize ``rows`` (bf16 ``[M, K]`` on CUDA) in
+    ``fp8_quant``'s kernels, which hold a row of up to ``FUSED_MAX_K``."""
+    return (
+        rows.is_cuda
+        and rows.dtype == torch.bfloat16
+        and rows.dim() == 2
+        and rows.stride(-1) == 1
+        and weight.shape[1] <= fp8_quant.FUSED_MAX_K
+    )
+
+
 def quantized_upstream(layer: nn.Module, rows: torch.Tensor) -> bool:
     """Whether ``layer`` takes its input quantized per token by the kernel
     that makes it (a norm, SiLU-and-mul: ``engine.layers.fp8_quant``): an
-    FP8 weight, ``rows`` (the input, or what it is made from, row for row)
-    bf16 on CUDA, and more of them than the few-row kernel takes (that one
-    reads half-precision rows itself)."""
+    FP8 weight and ``rows`` (the input, or what it is made from, row for
+    row) bf16 on CUDA. At every batch size alike, so that a request's
+    quantized activations do not depend on its batch."""
     if getattr(layer, "weight_scale", None) is None:
         return False
-    if not rows.is_cuda or rows.dtype != torch.bfloat16 or rows.dim() != 2:
-        return False
-    n, k = layer.weight.shape
-    few = rows.shape[0] <= fp8_skinny.MAX_ROWS and fp8_skinny.tiles(n, k) is not None
-    return not few and k <= fp8_quant.FUSED_MAX_K
+    return _quantizes_on_cuda(rows, layer.weight)
 
 
 def silu_mul_input(
