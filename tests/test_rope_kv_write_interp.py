@@ -206,3 +206,35 @@ def test_the_fused_kernel_is_refused_without_flashinfer_attention() -> None:
     with pytest.raises(ValueError, match="fuse_rope_kv_write needs attention_backend 'flashinfer'"):
         cfg.resolve(mc)
     assert not EngineConfig(model="m", device="cpu").resolve(mc).fuse_rope_kv_write
+
+
+def test_the_fused_prologue_is_auto_on_e4m3_pages_with_flashinfer() -> None:
+    """auto: on over e4m3 pages with flashinfer attention where the kernel takes
+    the heads; off over pages of the model's dtype, with torch_native
+    attention, or for heads it cannot take; a value given is kept."""
+    from dataclasses import replace
+
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
+
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 128,
+    }
+    mc = ModelConfig.from_dict(raw, dtype=torch.float32)
+    odd = ModelConfig.from_dict({**raw, "head_dim": 48}, dtype=torch.float32)
+    assert EngineConfig().fuse_rope_kv_write is None
+    fi = EngineConfig(load_format="dummy", device="cpu", attention_backend="flashinfer")
+    e4m3 = replace(fi, kv_cache_dtype="fp8_e4m3")
+    assert fi.resolve(mc).fuse_rope_kv_write is False
+    assert e4m3.resolve(mc).fuse_rope_kv_write is True
+    assert e4m3.resolve(odd).fuse_rope_kv_write is False
+    assert replace(e4m3, fuse_rope_kv_write=False).resolve(mc).fuse_rope_kv_write is False
+    assert replace(fi, fuse_rope_kv_write=True).resolve(mc).fuse_rope_kv_write is True
+    native = replace(e4m3, attention_backend="torch_native")
+    assert native.resolve(mc).fuse_rope_kv_write is False

@@ -371,13 +371,14 @@ class FlashInferAttention(AttentionBackend):
     def _attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # q may be a strided view into the QKV projection: the kernels take its
         # row and head strides.
-        if self._wrapper is None:  # a decode batch on the Triton kernel
-            return self._decode_rows(q, cache, q.new_empty(q.shape))
-        d = self._num_decode_rows
-        if not d:
-            return self._wrapper.run(q, cache)
+        # The output is always given: FlashInfer's prefill would otherwise
+        # allocate it with torch.zeros (a memset kernel a layer).
         out = q.new_empty(q.shape)
-        self._decode_rows(q[:d], cache, out[:d])
+        if self._wrapper is None:  # a decode batch on the Triton kernel
+            return self._decode_rows(q, cache, out)
+        d = self._num_decode_rows
+        if d:
+            self._decode_rows(q[:d], cache, out[:d])
         self._wrapper.run(q[d:], cache, out=out[d:])
         return out
 

@@ -101,6 +101,8 @@ def _fits(x: torch.Tensor, w: torch.Tensor, k: int) -> Tiles | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; one-row CUDA inputs through the GEMV kernel,
     a few rows through ``engine.layers.skinny``'s."""
+    if x.shape[0] > skinny.MAX_ROWS or not x.is_cuda:  # a prefill's rows, or no GPU
+        return F.linear(x, weight, bias)
     t = _fits(x, weight, x.shape[-1])
     if t is not None:
         return run_gemv(x, weight, bias, t)
