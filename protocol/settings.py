@@ -135,6 +135,10 @@ class Flag:
     def argv(self, value: Any) -> list[str]:
         """The arguments that set this flag to ``value``."""
         if self.kind is bool:
+            if value is None:  # an optional bool's None (auto) is its flag left out
+                if self.default is not None:
+                    raise ValueError(f"{self.name}=None has no command-line form")
+                return []
             return [self.option if value else "--no-" + self.option[2:]]
         if value is None:
             if not self.optional or self.kind is str:
@@ -192,7 +196,7 @@ def _kind(hint: Any, name: str) -> tuple[type, bool, bool]:
     optional = type(None) in args
     rest = [a for a in args if a is not type(None)]
     kind = args[0] if sequence else rest[0] if optional and len(rest) == 1 else hint
-    if kind not in (bool, int, float, str) or ((optional or sequence) and kind is bool):
+    if kind not in (bool, int, float, str) or (sequence and kind is bool):
         raise TypeError(f"setting {name!r} has type {hint}, which has no command-line form")
     return kind, optional, sequence
 

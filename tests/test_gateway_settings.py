@@ -239,3 +239,18 @@ def test_every_field_of_a_config_is_a_setting_or_a_nested_config() -> None:
     # A nested config's flags default to its class's defaults, so must the field.
     with pytest.raises(TypeError, match="Nested.router"):
         settings.flags(Nested)
+
+
+def test_an_optional_bool_is_auto_where_its_flag_is_left_out() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Tri:
+        fuse: bool | None = setting(None, help="on, off or auto")
+
+    (flag,) = settings.flags(Tri)
+    parser = argparse.ArgumentParser()
+    settings.add_flags(parser, [flag])
+    got = [parser.parse_args(argv).fuse for argv in ([], ["--fuse"], ["--no-fuse"])]
+    assert got == [None, True, False]
+    assert [flag.argv(v) for v in (None, True, False)] == [[], ["--fuse"], ["--no-fuse"]]
+    for value in (None, True, False):
+        assert parser.parse_args(settings.to_argv(Tri(fuse=value), [flag])).fuse is value

@@ -89,12 +89,12 @@ def _fused_kernels() -> tuple[Any, Any]:
         row = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BLOCK)
         live = k < K
-        h = tl.load(x + row * stride_x + k, mask=live, other=0.0)
+        hf = tl.load(x + row * stride_x + k, mask=live, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(residual + row * stride_r + k, mask=live, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(residual.dtype.element_ty)
-            tl.store(residual + row * stride_r + k, h, mask=live)
-        hf = h.to(tl.float32)
+            # As FlashInfer's fused add + RMSNorm: the sum stored rounded, the
+            # norm taken of it unrounded.
+            hf += tl.load(residual + row * stride_r + k, mask=live, other=0.0).to(tl.float32)
+            tl.store(residual + row * stride_r + k, hf.to(residual.dtype.element_ty), mask=live)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
         w = tl.load(weight + k, mask=live, other=0.0).to(tl.float32)
         y = (hf * rstd * w).to(x.dtype.element_ty).to(tl.float32)
@@ -130,8 +130,9 @@ def norm_quantize(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[Quantized, torch.Tensor]:
     """``(quantized rms_norm(x + residual), x + residual)`` in one kernel: the
-    sum rounded to ``x``'s dtype (written into ``residual``), the norm's
-    output rounded the same before it is quantized. ``residual`` None:
+    sum rounded to ``x``'s dtype (written into ``residual``) and normalized
+    unrounded, as FlashInfer's fused kernel does; the norm's output rounded
+    to ``x``'s dtype before it is quantized. ``residual`` None:
     ``(quantized rms_norm(x), x)``. Rows of ``x`` ``[M, K]`` contiguous."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=E4M3, device=x.device)
