@@ -98,12 +98,13 @@ class EngineConfig:
         None,
         help="with flashinfer attention, one Triton kernel per layer for the q/k norms, "
         "the rotary embedding, the KV scales and the write into the KV pages, in place "
-        "of two to nine separate kernels (default: auto, on over e4m3 KV pages where it "
-        "takes the model's heads, else off)",
+        "of two to nine separate kernels (default: auto, on over e4m3 KV pages and for "
+        "models with q/k norms, where it takes the model's heads; else off)",
         group=MODEL_GROUP,
     )
-    """auto: on where it made every measured decode step faster (e4m3 pages,
-    whose rounding it folds in); over bf16 pages it measured even."""
+    """auto: on where it made every measured decode step faster: e4m3 pages
+    (whose rounding it folds in), q/k norms (four kernels a layer become
+    one); over bf16 pages without q/k norms it measured even."""
     decode_kernel: str = setting(
         "auto",
         help="with flashinfer attention, the kernel of decode rows: flashinfer's, or triton "
@@ -340,7 +341,9 @@ class EngineConfig:
             from engine.attention.paged_decode import E4M3
 
             fuse = (
-                backend == "flashinfer" and kv_dtype == E4M3 and rope_kv_write.supports(m.head_dim)
+                backend == "flashinfer"
+                and (kv_dtype == E4M3 or m.qk_norm)
+                and rope_kv_write.supports(m.head_dim)
             )
         decode_kernel = self.decode_kernel
         if decode_kernel == "triton" and backend != "flashinfer":

@@ -209,9 +209,10 @@ def test_the_fused_kernel_is_refused_without_flashinfer_attention() -> None:
 
 
 def test_the_fused_prologue_is_auto_on_e4m3_pages_with_flashinfer() -> None:
-    """auto: on over e4m3 pages with flashinfer attention where the kernel takes
-    the heads; off over pages of the model's dtype, with torch_native
-    attention, or for heads it cannot take; a value given is kept."""
+    """auto: on over e4m3 pages, or for q/k norms, with flashinfer attention
+    where the kernel takes the heads; off for Llama over pages of the model's
+    dtype, with torch_native attention, or for heads it cannot take; a value
+    given is kept."""
     from dataclasses import replace
 
     from engine.config import EngineConfig
@@ -238,3 +239,6 @@ def test_the_fused_prologue_is_auto_on_e4m3_pages_with_flashinfer() -> None:
     assert replace(fi, fuse_rope_kv_write=True).resolve(mc).fuse_rope_kv_write is True
     native = replace(e4m3, attention_backend="torch_native")
     assert native.resolve(mc).fuse_rope_kv_write is False
+    # q/k norms: on over pages of the model's dtype too.
+    qwen3 = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]}, torch.float32)
+    assert fi.resolve(qwen3).fuse_rope_kv_write is True
