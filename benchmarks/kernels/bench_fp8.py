@@ -9,13 +9,16 @@ with CUDA events:
 
 - ``bf16``: ``engine.layers.gemv.linear`` (the GEMV and few-row kernels where
   they apply, cuBLAS otherwise), the product a bf16 model runs;
-- ``fp8``: ``engine.layers.linear.any_linear``, the product an FP8 model runs:
-  up to ``fp8_skinny.MAX_ROWS`` rows the one Triton kernel that quantizes the
-  rows and feeds the e4m3 weight to the tensor cores
-  (``engine.layers.fp8_skinny``), more rows the
-  input quantized per token, then ``torch._scaled_mm`` with row-wise scales;
-- ``fp8_mm``: ``torch._scaled_mm`` alone on an already quantized input (what
-  the activation quantization costs is the difference).
+- ``fp8``: ``engine.layers.linear.any_linear`` on bf16 rows, the product an
+  FP8 model runs after attention: the rows quantized per token
+  (``fp8_quant.quantize_rows``), then up to ``fp8_skinny.MAX_ROWS`` rows the
+  Triton kernel that feeds the e4m3 weight to the tensor cores
+  (``engine.layers.fp8_skinny``), more rows ``torch._scaled_mm`` with
+  row-wise scales;
+- ``fp8_given``: the same on rows quantized already (``Quantized``), the
+  product after a norm or SiLU-and-mul, which quantize their output
+  themselves (what the quantization kernel costs is the difference);
+- ``fp8_mm``: ``torch._scaled_mm`` alone on an already quantized input.
 
 Floors: bytes moved (the weight, 2 or 1 byte per element, plus input and
 output) at 4.3 TB/s and the FLOPs at the dense tensor-core rate (989 TFLOP/s
@@ -35,6 +38,7 @@ import torch
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_gemv import L2_BYTES, graph_us, rel_err, shapes
 from engine.layers import fp8, fp8_skinny, gemv
+from engine.layers.fp8_quant import Quantized
 from engine.layers.linear import any_linear
 from engine.presets import PRESETS
 
@@ -67,6 +71,11 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False
     row["fp8_fits_scaled_mm"] = fp8.scaled_mm_fits(xq, qs[0][0], x.dtype)
     row["fp8_us"] = graph_us([lambda q=q, s=s: any_linear(x, q, None, s) for q, s in qs], reps)
     row["fp8_rel_err"] = rel_err(any_linear(x, qs[0][0], None, qs[0][1]), ref)
+    given = Quantized(xq, sx, x.dtype)
+    row["fp8_given_us"] = graph_us(
+        [lambda q=q, s=s: any_linear(given, q, None, s) for q, s in qs], reps
+    )
+    row["fp8_given_rel_err"] = rel_err(any_linear(given, qs[0][0], None, qs[0][1]), ref)
     if row["fp8_fits_scaled_mm"]:
         sa = sx[:, None].contiguous()
         rowwise = [(q, s[None, :].contiguous()) for q, s in qs]
@@ -78,7 +87,7 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False
     row["fp8_floor_us"] = floor_us(m, n, k, 1, "fp8")
     row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
     if sweep and m <= fp8_skinny.MAX_ROWS:
-        row["skinny_sweep"] = sweep_skinny(x, qs, reps, ref)
+        row["skinny_sweep"] = sweep_skinny(given, qs, reps, ref)
         row["skinny_best"] = min(
             (r for r in row["skinny_sweep"] if "us" in r), key=lambda r: r["us"]
         )
@@ -86,10 +95,11 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False
 
 
 def sweep_skinny(
-    x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]], reps: int, ref: torch.Tensor
+    x: Quantized, qs: list[tuple[torch.Tensor, torch.Tensor]], reps: int, ref: torch.Tensor
 ) -> list[dict[str, Any]]:
-    """``fp8_skinny.run`` over ``SWEEP_SKINNY`` (the tiles that apply to the
-    shape), each result checked."""
+    """``fp8_skinny.run`` on rows quantized already (as the engine hands them)
+    over ``SWEEP_SKINNY`` (the tiles that apply to the shape), each result
+    checked."""
     n, k = qs[0][0].shape
     out = []
     for t in SWEEP_SKINNY:
@@ -106,20 +116,15 @@ def sweep_skinny(
 
 
 SWEEP_SKINNY = [
-    *(
-        fp8_skinny.Tiles(bn, bk, sk, warps, 4)
-        for bn in (32, 64, 128)
-        for bk in (128, 256, 512)
-        for sk in (1, 2, 4, 8)
-        for warps in ((4, 8) if bn == 128 else (4,))
-    ),
-    fp8_skinny.Tiles(64, 512, 1, 4, 4, unroll_scale=False),
-    fp8_skinny.Tiles(64, 512, 2, 4, 4, unroll_scale=False),
+    fp8_skinny.Tiles(bn, bk, sk, warps, 4)
+    for bn in (32, 64, 128)
+    for bk in (128, 256, 512)
+    for sk in (1, 2, 4, 8)
+    for warps in ((4, 8) if bn == 128 else (4,))
 ]
 """Tiles of the few-row FP8 kernel tried by ``--sweep`` (32 rows a program
-take the warp-level matrix instructions, 64 and 128 Hopper's warpgroup ones;
-the scale pass looped as well as unrolled, for the difference); those over
-an SM's shared memory are refused at launch and recorded as such."""
+take the warp-level matrix instructions, 64 and 128 Hopper's warpgroup ones);
+those over an SM's shared memory are refused at launch and recorded as such."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,14 +152,15 @@ def main(argv: list[str] | None = None) -> None:
         for name, (n, k) in layer.items()
     ]
     print(
-        f"{'proj':>8} {'rows':>5} {'bf16 us':>8} {'floor':>7} {'fp8 us':>8} {'mm us':>7} "
-        f"{'floor':>7} {'x':>5} {'rel err':>8}"
+        f"{'proj':>8} {'rows':>5} {'bf16 us':>8} {'floor':>7} {'fp8 us':>8} {'given':>7} "
+        f"{'mm us':>7} {'floor':>7} {'x':>5} {'rel err':>8}"
     )
     for r in rows:
         mm = f"{r['fp8_mm_us']:>7.1f}" if "fp8_mm_us" in r else f"{'-':>7}"
         print(
             f"{r['name']:>8} {r['rows']:>5} {r['bf16_us']:>8.1f} {r['bf16_floor_us']:>7.1f} "
-            f"{r['fp8_us']:>8.1f} {mm} {r['fp8_floor_us']:>7.1f} {r['fp8_speedup']:>5.2f} "
+            f"{r['fp8_us']:>8.1f} {r['fp8_given_us']:>7.1f} {mm} {r['fp8_floor_us']:>7.1f} "
+            f"{r['fp8_speedup']:>5.2f} "
             f"{r['fp8_rel_err']:>8.1e}"
         )
         if "skinny_best" in r:
