@@ -105,12 +105,20 @@ def test_matches_float64_and_flashinfer(
     index = _index(lengths, tables)
     q = _queries(batch, heads, kv_heads, seed=batch)
     sm_scale = HEAD_DIM**-0.5
-    decode_plan = pd.plan(batch, kv_heads)
+    e4m3 = kv_dtype == torch.float8_e4m3fn
+    decode_plan = pd.plan(batch, kv_heads, e4m3=e4m3)  # the engine's tiles
     out = torch.empty(q.shape, dtype=q.dtype, device=DEVICE)
     k_cache, v_cache = kv[:, LAYER, 0], kv[:, LAYER, 1]
     pd.paged_decode(q, k_cache, v_cache, *index, out, sm_scale, decode_plan)
     ref = _reference(q, kv, lengths, tables, sm_scale)
     _close(out, ref, "against float64")
+    if e4m3:  # V read in pairs and widened with integer ops: exact, the same sums
+        pairs = torch.empty_like(out)
+        pd.paged_decode(
+            q, k_cache, v_cache, *index, pairs, sm_scale, decode_plan._replace(v_pairs=True)
+        )
+        _close(pairs, ref, "V in pairs against float64")
+        _close(pairs, out.double(), "V in pairs against V in bytes")
     # Every split count gives the same result (a split past a short request's
     # pages weighs nothing), up to the order of the sums.
     for splits in (1, 8, 32):
