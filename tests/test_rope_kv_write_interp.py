@@ -186,22 +186,23 @@ def test_rejects_what_it_cannot_take() -> None:
         rope_kv_write(x, kv, kv, pre, pool.k_layer(0), pool.v_layer(0), index)
 
 
+TINY_RAW = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 128,
+}
+"""A one-layer config.json of heads the fused kernel takes (q/k norms: Qwen3)."""
+
+
 def test_the_fused_kernel_is_refused_without_flashinfer_attention() -> None:
     from engine.config import EngineConfig
     from engine.model_config import ModelConfig
 
-    mc = ModelConfig.from_dict(
-        {
-            "architectures": ["Qwen3ForCausalLM"],
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": 100,
-        },
-        dtype=torch.float32,
-    )
+    mc = ModelConfig.from_dict(TINY_RAW, dtype=torch.float32)
     cfg = EngineConfig(model="m", device="cpu", fuse_rope_kv_write=True)
     with pytest.raises(ValueError, match="fuse_rope_kv_write needs attention_backend 'flashinfer'"):
         cfg.resolve(mc)
@@ -218,15 +219,7 @@ def test_the_fused_prologue_is_auto_on_e4m3_pages_with_flashinfer() -> None:
     from engine.config import EngineConfig
     from engine.model_config import ModelConfig
 
-    raw = {
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "vocab_size": 128,
-    }
+    raw = {**TINY_RAW, "architectures": ["LlamaForCausalLM"]}
     mc = ModelConfig.from_dict(raw, dtype=torch.float32)
     odd = ModelConfig.from_dict({**raw, "head_dim": 48}, dtype=torch.float32)
     assert EngineConfig().fuse_rope_kv_write is None
@@ -240,5 +233,5 @@ def test_the_fused_prologue_is_auto_on_e4m3_pages_with_flashinfer() -> None:
     native = replace(e4m3, attention_backend="torch_native")
     assert native.resolve(mc).fuse_rope_kv_write is False
     # q/k norms: on over pages of the model's dtype too.
-    qwen3 = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]}, torch.float32)
+    qwen3 = ModelConfig.from_dict(TINY_RAW, dtype=torch.float32)
     assert fi.resolve(qwen3).fuse_rope_kv_write is True
