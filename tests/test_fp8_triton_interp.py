@@ -30,13 +30,15 @@ def _exact_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
     out and check everything else.)"""
     xq = (torch.randn(rows, k, generator=g) * 100).clamp(-440, 440).to(fp8.E4M3).float()
     xq[:, 0] = 448.0 * (-1.0) ** torch.arange(rows)  # the largest magnitude: + or -
-    scale = 2.0 ** torch.arange(-6, -6 + 3 * rows, 3, dtype=torch.float32)[:rows]
+    scale = 2.0 ** (torch.arange(rows, dtype=torch.float32) % 5 * 3 - 6)  # 2^-6 to 2^6
     return (xq * scale[:, None]).to(torch.float16)
 
 
 @interpreted
 @pytest.mark.parametrize("unroll", [True, False, "quantized"])
-@pytest.mark.parametrize(("rows", "bias", "split_k"), [(1, False, 1), (3, True, 2), (4, False, 4)])
+@pytest.mark.parametrize(
+    ("rows", "bias", "split_k"), [(1, False, 1), (3, True, 2), (4, False, 4), (40, True, 2)]
+)
 def test_rows_match_float64_of_the_quantized_operands(
     rows: int, bias: bool, split_k: int, unroll: bool | str
 ) -> None:
@@ -91,6 +93,11 @@ def test_what_takes_the_kernel() -> None:
     rows = Quantized(x.to(fp8.E4M3), torch.ones(16), torch.bfloat16)
     assert fp8_skinny.fits(rows, q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)  # already quantized
     assert fp8_skinny.fits(rows._replace(dtype=torch.float32), q) is None  # float32 output
+    # Row tiles: 16 up to 16 rows, then the next power of two up to 64 (run only).
+    assert [fp8_skinny.block_m(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    with pytest.raises(ValueError, match="do not take 65 rows"):
+        fp8_skinny.run(torch.zeros(65, 4096, dtype=torch.bfloat16), q, torch.ones(4096), None,
+                       fp8_skinny.Tiles(64, 512, 2, 4, 4))  # fmt: skip
     assert fp8_skinny.fits(torch.zeros(17, 4096, dtype=torch.bfloat16), q) is None  # too many
     assert fp8_skinny.fits(x.float(), q) is None  # float32 input: the general path
     assert fp8_skinny.fits(x, q.float()) is None  # not an FP8 weight

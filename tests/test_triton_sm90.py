@@ -162,7 +162,10 @@ def test_fp8_few_rows(name: str, bias: bool, launches: list[Launch]) -> None:
     fp8_skinny.run(x, q, _empty(n, dtype=torch.float32), b, t._replace(unroll_scale=False))
     rows = Quantized(_empty(3, k, dtype=fp8.E4M3), _empty(3, dtype=torch.float32), x.dtype)
     fp8_skinny.run(rows, q, _empty(n, dtype=torch.float32), b, t)
-    compile_all(launches, 3)
+    # 64-row tiles (past what the engine gives it; two stages fit in shared memory).
+    wide = Quantized(_empty(40, k, dtype=fp8.E4M3), _empty(40, dtype=torch.float32), x.dtype)
+    fp8_skinny.run(wide, q, _empty(n, dtype=torch.float32), b, t._replace(stages=2))
+    compile_all(launches, 4)
 
 
 @pytest.mark.parametrize("k", [4096, 14336])

@@ -33,9 +33,16 @@ from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Quantized
 from engine.layers.skinny import MAX_ROW_TILES, PARTIAL_BYTES, scratch_of
 
 MAX_ROWS = 16
-"""Rows this kernel takes; more go to ``torch._scaled_mm``."""
+"""Rows the engine gives this kernel (``fits``); more go to ``torch._scaled_mm``."""
+KERNEL_MAX_ROWS = 64
+"""Rows ``run`` takes, in one input-row tile (for measuring past ``MAX_ROWS``)."""
 BLOCK_M = 16
-"""The input-row tile: the matrix instructions' narrowest operand."""
+"""The narrowest input-row tile: the matrix instructions' narrowest operand."""
+
+
+def block_m(m: int) -> int:
+    """The input-row tile of ``m`` rows: 16, 32 or 64."""
+    return max(BLOCK_M, 1 << (m - 1).bit_length())
 
 
 class Tiles(NamedTuple):
@@ -67,13 +74,14 @@ def tiles(n: int, k: int) -> Tiles | None:
     return None
 
 
-def applies(t: Tiles, n: int, k: int) -> bool:
+def applies(t: Tiles, n: int, k: int, rows_tile: int = BLOCK_M) -> bool:
     """Whether ``t`` tiles an ``[n, k]`` weight: whole tiles and, when split,
-    partials and counters within the device's scratch."""
+    partials (``rows_tile`` rows of them) and counters within the device's
+    scratch."""
     if n % t.block_n or k % (t.block_k * t.split_k):
         return False
     return t.split_k == 1 or (
-        t.split_k * n * BLOCK_M * 4 <= PARTIAL_BYTES and n // t.block_n <= MAX_ROW_TILES
+        t.split_k * n * rows_tile * 4 <= PARTIAL_BYTES and n // t.block_n <= MAX_ROW_TILES
     )
 
 
@@ -173,19 +181,23 @@ def run(
     bias: torch.Tensor | None,
     t: Tiles,
 ) -> torch.Tensor:
-    """The kernel on ``x`` ``[M, K]``, half precision (quantized here) or
-    ``Quantized`` (taken as it is), on any device Triton runs on."""
+    """The kernel on ``x`` ``[M, K]`` (``M <= KERNEL_MAX_ROWS``), half precision
+    (quantized here) or ``Quantized`` (taken as it is), on any device Triton
+    runs on."""
     pre = isinstance(x, Quantized)
     rows, dtype = (x.q, x.dtype) if pre else (x, x.dtype)
     x_scale = x.scale if pre else scale
     m, k = rows.shape
     n = q.shape[0]
+    rows_tile = block_m(m)
+    if m > KERNEL_MAX_ROWS or not applies(t, n, k, rows_tile):
+        raise ValueError(f"tiles {t} do not take {m} rows against a [{n}, {k}] weight")
     out = torch.empty((m, n), dtype=dtype, device=rows.device)
     parts, counts = scratch_of(rows.device) if t.split_k > 1 else (out, out)
     _kernel()[(n // t.block_n, t.split_k)](
         rows, x_scale, q, scale, scale if bias is None else bias, out, parts, counts, m, n,
         rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR, HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
+        BLOCK_M=rows_tile, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
         UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
