@@ -100,12 +100,12 @@ def sweep_skinny(
     x: Quantized, qs: list[tuple[torch.Tensor, torch.Tensor]], reps: int, ref: torch.Tensor
 ) -> list[dict[str, Any]]:
     """``fp8_skinny.run`` on rows quantized already (as the engine hands them)
-    over ``SWEEP_SKINNY`` (the tiles that apply to the shape), each result
+    over ``sweep_tiles`` (those that apply to the shape), each result
     checked."""
     n, k = qs[0][0].shape
     rows_tile = fp8_skinny.block_m(x.q.shape[0])
     out = []
-    for t in SWEEP_SKINNY:
+    for t in sweep_tiles(rows_tile):
         if not fp8_skinny.applies(t, n, k, rows_tile):
             continue
         try:
@@ -118,16 +118,21 @@ def sweep_skinny(
     return out
 
 
-SWEEP_SKINNY = [
-    fp8_skinny.Tiles(bn, bk, sk, warps, 4)
-    for bn in (32, 64, 128)
-    for bk in (128, 256, 512)
-    for sk in (1, 2, 4, 8)
-    for warps in ((4, 8) if bn == 128 else (4,))
-]
-"""Tiles of the few-row FP8 kernel tried by ``--sweep`` (32 rows a program
-take the warp-level matrix instructions, 64 and 128 Hopper's warpgroup ones);
-those over an SM's shared memory are refused at launch and recorded as such."""
+def sweep_tiles(rows_tile: int) -> list[fp8_skinny.Tiles]:
+    """Tiles of the few-row FP8 kernel tried by ``--sweep`` at an input-row
+    tile of ``rows_tile`` (32 weight rows a program take the warp-level
+    matrix instructions, 64 and 128 Hopper's warpgroup ones). Past 16 rows
+    the input's tile grows with them, so fewer stages and shorter k tiles fit
+    in shared memory; those over it are refused at launch and recorded."""
+    wide = rows_tile > fp8_skinny.BLOCK_M
+    return [
+        fp8_skinny.Tiles(bn, bk, sk, warps, stages)
+        for bn in (32, 64, 128)
+        for bk in ((128, 256) if wide else (128, 256, 512))
+        for sk in (1, 2, 4, 8)
+        for warps in ((4, 8) if bn == 128 else (4,))
+        for stages in ((2, 3) if wide else (4,))
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 8192])
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per case")
     p.add_argument("--sweep", action="store_true", help="also sweep the few-row kernel's tiles")
+    p.add_argument(
+        "--projections",
+        nargs="+",
+        choices=("qkv", "o", "gate_up", "down"),
+        default=None,
+        help="only these products (default: all four)",
+    )
     p.add_argument("--output-file", default=None)
     return p
 
@@ -148,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8 needs a CUDA device")
-    layer = {k: v for k, v in shapes(args.model).items() if k != "lm_head"}
+    wanted = args.projections or ("qkv", "o", "gate_up", "down")
+    layer = {k: v for k, v in shapes(args.model).items() if k in wanted}
     rows = [
         bench_case(name, n, k, m, args.reps, args.sweep)
         for m in args.rows
