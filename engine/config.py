@@ -335,21 +335,21 @@ class EngineConfig:
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
         if self.fuse_rope_kv_write and backend != "flashinfer":
             raise ValueError("fuse_rope_kv_write needs attention_backend 'flashinfer'")
+        e4m3_pages = self.kv_cache_dtype == "fp8_e4m3"
         fuse = self.fuse_rope_kv_write
         if fuse is None:
             from engine.attention import rope_kv_write
-            from engine.attention.paged_decode import E4M3
 
             fuse = (
                 backend == "flashinfer"
-                and (kv_dtype == E4M3 or m.qk_norm)
+                and (e4m3_pages or m.qk_norm)
                 and rope_kv_write.supports(m.head_dim)
             )
         decode_kernel = self.decode_kernel
         if decode_kernel == "triton" and backend != "flashinfer":
             raise ValueError("decode_kernel 'triton' needs attention_backend 'flashinfer'")
         if decode_kernel != "flashinfer" and backend == "flashinfer":
-            from engine.attention.paged_decode import E4M3, shape_refusal
+            from engine.attention.paged_decode import shape_refusal
 
             reason = shape_refusal(m.head_dim, self.page_size)
             if reason and decode_kernel == "triton":
@@ -359,7 +359,7 @@ class EngineConfig:
             # splits a request's pages by the batch size, so the sums' order, and
             # near-tied greedy tokens, can differ between a prompt alone and in a
             # batch (docs/defaults.md, Decode attention).
-            if decode_kernel == "auto" and (reason or kv_dtype != E4M3):
+            if decode_kernel == "auto" and (reason or not e4m3_pages):
                 decode_kernel = "flashinfer"
             else:
                 decode_kernel = "triton"

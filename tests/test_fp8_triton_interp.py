@@ -35,12 +35,12 @@ def _exact_rows(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 
 @interpreted
-@pytest.mark.parametrize("unroll", [True, False, "quantized"])
+@pytest.mark.parametrize("rows_in", ["unrolled", "looped", "quantized"])
 @pytest.mark.parametrize(
     ("rows", "bias", "split_k"), [(1, False, 1), (3, True, 2), (4, False, 4), (40, True, 2)]
 )
 def test_rows_match_float64_of_the_quantized_operands(
-    rows: int, bias: bool, split_k: int, unroll: bool | str
+    rows: int, bias: bool, split_k: int, rows_in: str
 ) -> None:
     """Against float64 products, unsplit and split over K (the last arrival
     adds the partials), the scale pass unrolled or looped, or the rows handed
@@ -53,9 +53,10 @@ def test_rows_match_float64_of_the_quantized_operands(
     x = _exact_rows(rows, k, g)  # rows of different magnitudes, each scaled on its own
     q, s = fp8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
     b = torch.randn(n, generator=g).to(torch.float16) if bias else None
-    t = fp8_skinny.Tiles(32, 64, split_k, 4, 1, unroll is True)  # 8 / split_k k tiles a split
+    # 8 / split_k k tiles a split; the scale pass unrolled or looped over them.
+    t = fp8_skinny.Tiles(32, 64, split_k, 4, 1, unroll_scale=rows_in == "unrolled")
     xq, sx = fp8.quantize_rows(x)
-    given = Quantized(xq, sx, x.dtype) if unroll == "quantized" else x
+    given = Quantized(xq, sx, x.dtype) if rows_in == "quantized" else x
     got = fp8_skinny.run(given, q, s, b, t)
     assert torch.equal(fp8.dequantize_rows(xq, sx), x.float())  # exact, as intended
     ref = x.double() @ fp8.dequantize_rows(q, s).double().t()

@@ -166,8 +166,8 @@ def fits(x: torch.Tensor | Quantized, q: torch.Tensor) -> Tiles | None:
     rows = x.q if isinstance(x, Quantized) else x
     if rows.dim() != 2 or not 1 <= rows.shape[0] <= MAX_ROWS or rows.stride(-1) != 1:
         return None
-    dtype = x.dtype if isinstance(x, Quantized) else rows.dtype
-    if dtype not in (torch.bfloat16, torch.float16) or q.dtype != E4M3 or not q.is_contiguous():
+    # x.dtype: the rows' own, or the dtype quantized rows were made in.
+    if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != E4M3 or not q.is_contiguous():
         return None
     if q.shape[1] != rows.shape[1]:
         return None
@@ -185,14 +185,14 @@ def run(
     (quantized here) or ``Quantized`` (taken as it is), on any device Triton
     runs on."""
     pre = isinstance(x, Quantized)
-    rows, dtype = (x.q, x.dtype) if pre else (x, x.dtype)
-    x_scale = x.scale if pre else scale
+    rows = x.q if pre else x
+    x_scale = x.scale if pre else scale  # unread where the kernel quantizes
     m, k = rows.shape
     n = q.shape[0]
     rows_tile = block_m(m)
     if m > KERNEL_MAX_ROWS or not applies(t, n, k, rows_tile):
         raise ValueError(f"tiles {t} do not take {m} rows against a [{n}, {k}] weight")
-    out = torch.empty((m, n), dtype=dtype, device=rows.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=rows.device)
     parts, counts = scratch_of(rows.device) if t.split_k > 1 else (out, out)
     _kernel()[(n // t.block_n, t.split_k)](
         rows, x_scale, q, scale, scale if bias is None else bias, out, parts, counts, m, n,
