@@ -90,7 +90,15 @@ CATEGORIES = {
         "fp8_rows",
     ),
     "fp8 quant": ("quantize_rows",),
-    "attention": ("batchdecode", "batchprefill", "attention", "mergestate", "variablelength"),
+    "attention": (
+        "batchdecode",
+        "batchprefill",
+        "attention",
+        "mergestate",
+        "variablelength",
+        "split_attend",
+        "merge",
+    ),
     "norm/rope/act/kv": ("norm", "rope", "rotary", "silu", "act_and_mul", "append", "paged_kv"),
 }
 """Category -> lower-case fragments of kernel names; anything else is "other"."""

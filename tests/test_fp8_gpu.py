@@ -26,10 +26,11 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 1024])
-def test_products_match_float64_of_the_quantized_operands(rows: int) -> None:
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_products_match_float64_of_the_quantized_operands(rows: int, n: int, k: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, 4096, device="cuda", generator=g).to(torch.bfloat16)
-    q, s = fp8.quantize_rows(torch.randn(6144, 4096, device="cuda", generator=g) * 0.02)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    q, s = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     assert (fp8_skinny.fits(x, q) is not None) == (rows <= fp8_skinny.MAX_ROWS)
     got = any_linear(x, q, None, s)  # what a projection runs
     xq, sx = fp8.quantize_rows(x)

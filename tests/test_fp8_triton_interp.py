@@ -94,12 +94,22 @@ def test_what_takes_the_kernel() -> None:
     rows = Quantized(x.to(fp8.E4M3), torch.ones(16), torch.bfloat16)
     assert fp8_skinny.fits(rows, q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)  # already quantized
     assert fp8_skinny.fits(rows._replace(dtype=torch.float32), q) is None  # float32 output
-    # Row tiles: 16 up to 16 rows, then the next power of two up to 64 (run only).
+    # Row tiles: 16 up to 16 rows, then the next power of two up to 64.
     assert [fp8_skinny.block_m(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
     with pytest.raises(ValueError, match="do not take 65 rows"):
         fp8_skinny.run(torch.zeros(65, 4096, dtype=torch.bfloat16), q, torch.ones(4096), None,
                        fp8_skinny.Tiles(64, 512, 2, 4, 4))  # fmt: skip
-    assert fp8_skinny.fits(torch.zeros(17, 4096, dtype=torch.bfloat16), q) is None  # too many
+    assert fp8_skinny.fits(torch.zeros(65, 4096, dtype=torch.bfloat16), q) is None  # too many
+    # Past 16 rows: shorter k tiles, three stages; K split where the weight is not wide.
+    for m, weight, want in (
+        (17, q, fp8_skinny.Tiles(64, 256, 4, 4, 3)),
+        (64, torch.zeros(4096, 14336, dtype=fp8.E4M3), fp8_skinny.Tiles(64, 256, 4, 4, 3)),
+        (32, torch.zeros(6144, 4096, dtype=fp8.E4M3), fp8_skinny.Tiles(64, 256, 2, 4, 3)),
+        (64, torch.zeros(28672, 4096, dtype=fp8.E4M3), fp8_skinny.Tiles(64, 256, 1, 4, 3)),
+    ):
+        t = fp8_skinny.fits(torch.zeros(m, weight.shape[1], dtype=torch.bfloat16), weight)
+        assert t == want, (m, weight.shape)
+        assert fp8_skinny.applies(t, *weight.shape, fp8_skinny.block_m(m))
     assert fp8_skinny.fits(x.float(), q) is None  # float32 input: the general path
     assert fp8_skinny.fits(x, q.float()) is None  # not an FP8 weight
     assert fp8_skinny.fits(x[:, :2048], q) is None  # K differs

@@ -25,8 +25,7 @@ output) at 4.3 TB/s and the FLOPs at the dense tensor-core rate (989 TFLOP/s
 bf16, 1979 FP8); the larger of the two. Each FP8 result is checked against a
 float64 product of the quantized operands. ``--sweep`` also times the few-row
 kernel on quantized rows over a grid of tiles at every row count it takes (up
-to ``fp8_skinny.KERNEL_MAX_ROWS``, past the 16 the engine gives it), and
-records the best.
+to ``fp8_skinny.MAX_ROWS``), and records the best.
 Writes a JSON record to ``--output-file``.
 """
 
@@ -88,7 +87,7 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False
         row["fp8_mm_us"] = graph_us([lambda q=q, sb=sb: mm(q, sb) for q, sb in rowwise], reps)
     row["fp8_floor_us"] = floor_us(m, n, k, 1, "fp8")
     row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
-    if sweep and m <= fp8_skinny.KERNEL_MAX_ROWS:
+    if sweep and m <= fp8_skinny.MAX_ROWS:
         row["skinny_sweep"] = sweep_skinny(given, qs, reps, ref)
         row["skinny_best"] = min(
             (r for r in row["skinny_sweep"] if "us" in r), key=lambda r: r["us"]

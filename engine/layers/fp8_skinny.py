@@ -6,7 +6,7 @@ slower on the H200 than the bf16 one (docs/benchmarks.md, FP8). Here the
 tensor cores take the e4m3 weight as it is stored, with the operands
 swapped as ``engine.layers.skinny`` does for bf16: ``out.T = Q @ xq.T``, the
 matrix units' wide side over the weight's output rows (``BLOCK_N``), the
-narrow one over the input rows (padded to ``BLOCK_M`` = 16):
+narrow one over the input rows (padded to 16, 32 or 64: ``block_m``):
 
     y[m, n] = sx[m] * s[n] * sum_k round_e4m3(x[m, k] / sx[m]) * Q[n, k]
 
@@ -32,10 +32,10 @@ import torch
 from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Quantized
 from engine.layers.skinny import MAX_ROW_TILES, PARTIAL_BYTES, scratch_of
 
-MAX_ROWS = 16
-"""Rows the engine gives this kernel (``fits``); more go to ``torch._scaled_mm``."""
-KERNEL_MAX_ROWS = 64
-"""Rows ``run`` takes, in one input-row tile (for measuring past ``MAX_ROWS``)."""
+MAX_ROWS = 64
+"""Rows this kernel takes, in one input-row tile (``fits``); more go to
+``torch._scaled_mm``, which at 17 to 64 rows was slower than the bf16 product
+on the H200 (docs/benchmarks.md, FP8)."""
 BLOCK_M = 16
 """The narrowest input-row tile: the matrix instructions' narrowest operand."""
 
@@ -55,21 +55,25 @@ class Tiles(NamedTuple):
     """The scale pass unrolled over K (its loads in flight together)."""
 
 
-def tiles(n: int, k: int) -> Tiles | None:
-    """The tiles for an ``[n, k]`` e4m3 weight, or None where they do not fit.
-    (The best of a sweep on an H200 over Llama-3.1-8B's shapes, made with the
-    scale pass looped: weights of 4096 rows or fewer split over K twice, the
-    wide gate/up in taller, shorter tiles.)"""
-    if n >= 16384:
+def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
+    """The tiles for an ``[n, k]`` e4m3 weight against ``rows_tile`` input
+    rows, or None where they do not fit. (The best of sweeps on an H200 over
+    Llama-3.1-8B's shapes. One row tile: weights of 4096 rows or fewer split
+    over K twice, the wide gate/up in taller, shorter tiles. Two or four:
+    shorter k tiles over three stages, the shared memory of a wider row tile,
+    and splits of K for all but the wide weights.)"""
+    if rows_tile > BLOCK_M:
+        t = Tiles(64, 256, 1 if n >= 16384 else 4 if n <= 4096 else 2, 4, 3)
+    elif n >= 16384:
         t = Tiles(128, 128, 1, 4, 4)
     elif n <= 4096:
         t = Tiles(64, 512, 2, 4, 4)
     else:
         t = Tiles(64, 512, 1, 4, 4)
     for c in (t, t._replace(split_k=1)):  # a shorter k tile, then no split, where K needs it
-        while c.block_k > 128 and not applies(c, n, k):
+        while c.block_k > 128 and not applies(c, n, k, rows_tile):
             c = c._replace(block_k=c.block_k // 2)
-        if applies(c, n, k):
+        if applies(c, n, k, rows_tile):
             return c
     return None
 
@@ -171,7 +175,7 @@ def fits(x: torch.Tensor | Quantized, q: torch.Tensor) -> Tiles | None:
         return None
     if q.shape[1] != rows.shape[1]:
         return None
-    return tiles(q.shape[0], q.shape[1])
+    return tiles(q.shape[0], q.shape[1], block_m(rows.shape[0]))
 
 
 def run(
@@ -181,7 +185,7 @@ def run(
     bias: torch.Tensor | None,
     t: Tiles,
 ) -> torch.Tensor:
-    """The kernel on ``x`` ``[M, K]`` (``M <= KERNEL_MAX_ROWS``), half precision
+    """The kernel on ``x`` ``[M, K]`` (``M <= MAX_ROWS``), half precision
     (quantized here) or ``Quantized`` (taken as it is), on any device Triton
     runs on."""
     pre = isinstance(x, Quantized)
@@ -190,7 +194,7 @@ def run(
     m, k = rows.shape
     n = q.shape[0]
     rows_tile = block_m(m)
-    if m > KERNEL_MAX_ROWS or not applies(t, n, k, rows_tile):
+    if m > MAX_ROWS or not applies(t, n, k, rows_tile):
         raise ValueError(f"tiles {t} do not take {m} rows against a [{n}, {k}] weight")
     out = torch.empty((m, n), dtype=x.dtype, device=rows.device)
     parts, counts = scratch_of(rows.device) if t.split_k > 1 else (out, out)

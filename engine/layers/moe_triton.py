@@ -20,8 +20,9 @@ Experts, two paths chosen by the number of (token, expert) pairs:
   program counts all experts with a histogram and places its own expert's
   pairs), then two grouped GEMMs run over the blocks: ``gate_up`` with SiLU-
   and-mul in its epilogue, ``down`` with the router weight in its epilogue;
-  the ``top_k`` rows of a token are summed last. Each expert's weights are
-  read once per row block of its segment; blocks past the last segment exit.
+  a token's ``top_k`` rows (adjacent: pair ``t * top_k + j``) are summed
+  last, in float32, by one kernel. Each expert's weights are read once per
+  row block of its segment; blocks past the last segment exit.
 
 Accumulation is float32; intermediates are stored in the activations' dtype.
 float32 activations (a reference run on CUDA) multiply in IEEE float32, not
@@ -39,6 +40,9 @@ import torch
 
 SMALL_PAIRS = 32
 """Up to this many (token, expert) pairs take the matrix-vector path."""
+COMBINE_BLOCK = 1024
+"""Output columns per program of the many-pairs path's last step (a token's
+``top_k`` rows summed)."""
 
 
 class GemvTiles(NamedTuple):
@@ -345,8 +349,23 @@ def _kernels() -> dict[str, Any]:
         dst = out + safe[:, None] * stride_o + n[None, :]
         tl.store(dst, acc.to(out.dtype.element_ty), mask=valid[:, None] & live[None, :])
 
+    @triton.jit(do_not_specialize=["n"])
+    def combine_kernel(per_pair, out, n, hidden, stride_p, stride_o,
+                       TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+        # Token t's output: its top_k pair rows (t * top_k + j) summed in
+        # float32, in the order of j.
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        live = h < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = per_pair + (t * TOP_K + j) * stride_p
+            acc += tl.load(row + h, mask=live, other=0.0).to(tl.float32)
+        tl.store(out + t * stride_o + h, acc.to(out.dtype.element_ty), mask=live)
+
     return {
         "route": route_kernel,
+        "combine": combine_kernel,
         "gemv_gate_up": gemv_gate_up_kernel,
         "gemv_down": gemv_down_kernel,
         "align": align_kernel,
@@ -531,7 +550,11 @@ def fused_experts(
         num_warps=t.warps,
         num_stages=t.stages,
     )
-    return torch.sum(per_pair.view(n, top_k, hidden), dim=1, out=out)
+    block_h = min(COMBINE_BLOCK, _pow2(hidden))
+    k["combine"][(n, triton_cdiv(hidden, block_h))](
+        per_pair, out, n, hidden, per_pair.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h
+    )
+    return out
 
 
 def kernel_choice(n: int, experts: int, top_k: int) -> tuple[Any, ...]:
