@@ -193,39 +193,6 @@ def test_chunked_sums_do_not_depend_on_the_batch() -> None:
             assert same[:2] == [True, True] and not all(same[2:]), same
 
 
-@interpreted
-@pytest.mark.parametrize(("splits", "early_v"), [(1, False), (4, True)])
-def test_v_read_in_pairs_equals_v_read_in_bytes(splits: int, early_v: bool) -> None:
-    """``DecodePlan.v_pairs`` widens V with integer ops instead of the cast:
-    the same outputs bit for bit over pages holding every finite e4m3 value
-    (subnormals and -0 among them), for one split and several, and near
-    float64 attention over the same pages."""
-    from engine.attention.paged_decode import paged_decode
-
-    g = torch.Generator().manual_seed(splits)
-    heads, kv_heads, head_dim = 8, 2, 32
-    num_pages = sum(-(-n // PAGE_SIZE) for n in LENGTHS) + 5
-    pool = KVPool(KVPoolConfig(num_pages, PAGE_SIZE, LAYERS, kv_heads, head_dim, dtype=KV_FP8))
-    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
-    raw = pool.kv.view(torch.uint8)
-    raw.copy_(finite[torch.randint(len(finite), raw.shape, generator=g)])
-    tables = _pages(LENGTHS, num_pages, seed=splits)
-    indptr, indices, last = _index(LENGTHS, tables)
-    q = (torch.randn(len(LENGTHS), heads, head_dim, generator=g) / 64).to(torch.float16)
-    sm_scale, scales = head_dim**-0.5, (0.5, 2.0)
-    outs = []
-    for v_pairs in (False, True):
-        out = torch.empty_like(q)
-        decode_plan = DecodePlan(splits, 2, early_v=early_v, v_pairs=v_pairs)
-        paged_decode(q, pool.k_layer(LAYER), pool.v_layer(LAYER), indptr, indices, last, out,
-                     sm_scale, decode_plan, k_scale=scales[0], v_scale=scales[1])  # fmt: skip
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    ref = _reference(q, pool, LENGTHS, tables, sm_scale, scales)
-    err = (outs[1].double() - ref).abs().max().item()
-    assert err < 4e-3 * ref.abs().max().item(), err
-
-
 def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert [plan(b, 8).splits for b in (1, 2, 4, 8, 16, 32, 33, 256)] == [32, 32, 16, 8, 4, 2, 1, 1]
     assert plan(1, 1).splits == 32  # at most MAX_SPLITS
@@ -291,9 +258,6 @@ def test_refuses_what_it_cannot_take() -> None:
     with pytest.raises(ValueError, match="chunk_pages must be >= 0"):
         paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:1], q.clone(), 1.0,
                      DecodePlan(1, chunk_pages=-1))  # fmt: skip
-    with pytest.raises(ValueError, match="v_pairs reads e4m3 pages"):
-        paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:1], q.clone(), 1.0,
-                     DecodePlan(1, v_pairs=True))  # fmt: skip
 
 
 def test_the_triton_decode_kernel_needs_flashinfer_attention_and_is_auto_there() -> None:

@@ -337,39 +337,6 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
     assert len({_specialized(launch)[0] for launch in launches}) == 7
 
 
-def test_e4m3_v_in_pairs_reaches_the_matrix_units_without_byte_loads(
-    launches: list[Launch],
-) -> None:
-    """Over e4m3 pages the V operand of ``P V`` (contraction down its rows) is
-    read from shared memory a byte at a time; ``DecodePlan.v_pairs`` widens V
-    where it is loaded, so its tile is read with 16-bit transposing loads, at
-    the engine's batch-256 tiles and the split ones."""
-    from engine.attention import paged_decode as pd
-    from engine.kvcache.pool import KVPool, KVPoolConfig
-
-    c = ModelConfig.from_dict(PRESETS["llama-3.1-8b"], dtype=torch.bfloat16)
-    d = c.head_dim
-    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=fp8.E4M3))
-    for batch in (1, 256):
-        q = _empty(batch, c.num_heads + 2 * c.num_kv_heads, d)[:, : c.num_heads]
-        out = _empty(batch, c.num_heads, d)
-        ints = torch.zeros(batch + 1, dtype=torch.int32)
-        for v_pairs in (False, True):
-            plan = pd.plan(batch, c.num_kv_heads, e4m3=True)._replace(v_pairs=v_pairs)
-            pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch], out,
-                            d**-0.5, plan)  # fmt: skip
-    attend = [launch for launch in launches if launch[0].fn.__name__ == "split_attend"]
-    assert len(attend) == 4
-    for launch in attend:
-        ptx = ptx_sm90(launch)
-        in_pairs = launch[2]["V_PAIRS"]
-        print(f"V_PAIRS={in_pairs}: {ptx.count('ld.shared.b8')} byte loads from shared")
-        if in_pairs:
-            assert "ld.shared.b8" not in ptx
-            assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx
-        assert compile_sm90(launch) <= SM90_SHARED_BYTES
-
-
 def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:
     """A loop-carried value whose type changes in the loop: the interpreter
     runs it, the compiler refuses it; so must this check."""

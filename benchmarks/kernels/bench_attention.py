@@ -43,30 +43,25 @@ import torch
 from benchmarks.common import machine, write_record
 
 TRITON_TILES = {
-    "triton": (4, 4, 2, 0, False, False),
-    "triton-b2": (2, 4, 2, 0, False, False),
-    "triton-b8": (8, 8, 2, 0, False, False),
-    "triton-b8-w4": (8, 4, 2, 0, False, False),
-    "triton-b8-s3": (8, 8, 3, 0, False, False),
-    "triton-b16": (16, 8, 2, 0, False, False),
-    "triton-s3": (4, 4, 3, 0, False, False),
-    "triton-s4": (4, 4, 4, 0, False, False),
-    "triton-ev": (4, 4, 2, 0, True, False),
-    "triton-ev-s3": (4, 4, 3, 0, True, False),
-    "triton-ev-b8": (8, 8, 2, 0, True, False),
-    "triton-ev-b8-w4": (8, 4, 2, 0, True, False),
-    "triton-vp": (4, 4, 2, 0, True, True),
-    "triton-vp-b8-w4": (8, 4, 2, 0, True, True),
-    "triton-vp-b8": (8, 8, 2, 0, True, True),
-    "triton-vp-s3": (4, 4, 3, 0, True, True),
-    "triton-c8": (4, 4, 2, 8, False, False),
-    "triton-c16": (4, 4, 2, 16, False, False),
-    "triton-c32": (4, 4, 2, 32, False, False),
+    "triton": (4, 4, 2, 0, False),
+    "triton-b2": (2, 4, 2, 0, False),
+    "triton-b8": (8, 8, 2, 0, False),
+    "triton-b8-w4": (8, 4, 2, 0, False),
+    "triton-b8-s3": (8, 8, 3, 0, False),
+    "triton-b16": (16, 8, 2, 0, False),
+    "triton-s3": (4, 4, 3, 0, False),
+    "triton-s4": (4, 4, 4, 0, False),
+    "triton-ev": (4, 4, 2, 0, True),
+    "triton-ev-s3": (4, 4, 3, 0, True),
+    "triton-ev-b8": (8, 8, 2, 0, True),
+    "triton-ev-b8-w4": (8, 4, 2, 0, True),
+    "triton-c8": (4, 4, 2, 8, False),
+    "triton-c16": (4, 4, 2, 16, False),
+    "triton-c32": (4, 4, 2, 32, False),
 }
 """Triton variant -> (pages per K/V tile, warps, stages, chunk pages: 0 for
 chunks by the batch's split, N for batch-invariant chunks of N pages or more;
-V loaded before the scores; V read in pairs, ``DecodePlan.v_pairs``: e4m3
-pages only)."""
+V loaded before the scores)."""
 KERNELS = ("cuda-core", "fa2", "fa3", *TRITON_TILES)
 Q_DTYPE = torch.bfloat16
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -216,12 +211,12 @@ def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -
 
     q, out = call.q, call.out
     batch_size, device = q.shape[0], q.device
-    block, warps, stages, chunk, early_v, v_pairs = TRITON_TILES[variant.kernel]
+    block, warps, stages, chunk, early_v = TRITON_TILES[variant.kernel]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = pd.plan(batch_size, args.num_kv_heads, sms=sms).splits
     if variant.split != "auto":
         splits = 1 if variant.split == "none" else int(variant.split)
-    decode_plan = pd.DecodePlan(splits, block, warps, stages, chunk, early_v, v_pairs)
+    decode_plan = pd.DecodePlan(splits, block, warps, stages, chunk, early_v)
     scratch = pd.scratch_for(
         batch_size, args.num_heads, args.head_dim, decode_plan.partials, device
     )

@@ -33,10 +33,9 @@ The chunks, two ways (``DecodePlan.chunk_pages``):
 Over e4m3 pages V is the second operand of ``P V`` with its contraction
 (the tokens) down its rows; Triton stages the e4m3 tile in shared memory and
 reads that operand from it one byte at a time (``ld.shared.b8``, checked in
-tests/test_triton_sm90.py). With ``DecodePlan.v_pairs`` the kernel reads V
-as int16 pairs instead and widens them with integer ops where they are
-loaded, so the tile is staged in fp16 and read with 16-bit transposing
-loads, at twice the shared memory (opt-in until timed on a GPU).
+tests/test_triton_sm90.py). Reading V as int16 pairs widened with integer
+ops instead (16-bit transposing loads, twice the shared memory) was slower
+at every batch size on the H200 (docs/benchmarks.md, Decode attention).
 
 Either way nothing depends on the context at plan time, so a CUDA graph
 captured for a batch size replays for every context: a chunk's pages are
@@ -83,10 +82,6 @@ class DecodePlan(NamedTuple):
     early_v: bool = False
     """Load a tile's V before its scores are computed, so that K and V are in
     flight together (more bytes in flight a program, more registers)."""
-    v_pairs: bool = False
-    """e4m3 pages: read V as pairs of bytes and widen it in the load's layout
-    (integer ops), so that it reaches the matrix units through 16-bit
-    transposing loads rather than one shared-memory load per byte."""
 
     @property
     def partials(self) -> int:
@@ -145,7 +140,7 @@ def _kernels() -> tuple[Any, Any]:
                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                      PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, CHUNK_PAGES: tl.constexpr,
                      MAX_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr,
-                     EARLY_V: tl.constexpr, V_PAIRS: tl.constexpr):  # fmt: skip
+                     EARLY_V: tl.constexpr):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -168,8 +163,6 @@ def _kernels() -> tuple[Any, Any]:
         qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                      mask=g_ok[:, None], other=0.0).to(COMPUTE)  # fmt: skip
         t = tl.arange(0, BLOCK_N)
-        d2 = tl.arange(0, D // 2)
-        v_pairs = v.to(tl.pointer_type(tl.int16), bitcast=True)
         for c in range(s, n_chunks, splits):
             lo = c * chunk
             hi = tl.minimum(lo + chunk, n_pages)
@@ -183,14 +176,9 @@ def _kernels() -> tuple[Any, Any]:
                 page = tl.load(indices + first + page_i, mask=page_i < hi, other=0).to(tl.int64)
                 kt = tl.load(k + page[:, None] * stride_kp + slot[:, None] * stride_kt
                              + h * stride_kh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
-                v_row = page * stride_vp + slot * stride_vt + h * stride_vh  # V_PAIRS only
                 if EARLY_V:
-                    if V_PAIRS:
-                        vt = tl.load(v_pairs + (v_row // 2)[:, None] + d2[None, :],
-                                     mask=ok[:, None], other=0)  # fmt: skip
-                    else:
-                        vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
-                                     + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                    vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                                 + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
                 scores = tl.dot(qv, tl.trans(kt.to(COMPUTE))) * qk_scale  # [G_PAD, BLOCK_N], log2
                 scores = tl.where(ok[None, :], scores, float("-inf"))
                 # A chunk's first tile holds a token (every chunk starts inside
@@ -201,28 +189,9 @@ def _kernels() -> tuple[Any, Any]:
                 p = tl.exp2(scores - m_new[:, None])
                 den = den * alpha + tl.sum(p, axis=1)
                 if not EARLY_V:
-                    if V_PAIRS:
-                        vt = tl.load(v_pairs + (v_row // 2)[:, None] + d2[None, :],
-                                     mask=ok[:, None], other=0)  # fmt: skip
-                    else:
-                        vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
-                                     + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
-                if V_PAIRS:
-                    # Each int16 holds two e4m3 values (the first in its low
-                    # byte). An e4m3 byte becomes the fp16 bits of its value
-                    # / 256: the sign to bit 15, exponent and mantissa shifted
-                    # by 7 (biases 7 and 15: 2^-8); exact, subnormals too.
-                    # The output's scale takes the 256.
-                    vw = vt.to(tl.int32)
-                    v_lo = (((vw & 0x80) << 8) | ((vw & 0x7F) << 7)).to(tl.int16)
-                    v_hi = ((vw & 0x8000) | ((vw & 0x7F00) >> 1)).to(tl.int16)
-                    v16 = tl.join(
-                        v_lo.to(tl.float16, bitcast=True), v_hi.to(tl.float16, bitcast=True)
-                    )
-                    v16 = tl.reshape(v16, (BLOCK_N, D))
-                else:
-                    v16 = vt.to(COMPUTE)
-                acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v16)
+                    vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
+                                 + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vt.to(COMPUTE))
                 m = m_new
             if n_chunks == 1:
                 o = acc / den[:, None] * v_scale
@@ -366,12 +335,6 @@ def paged_decode(
         scratch = scratch_for(batch, num_heads, head_dim, partials, q.device)
     parts = scratch or Scratch(out, out)
     compute = _compute_dtype(q.dtype, k_cache.dtype)
-    if decode_plan.v_pairs:
-        if v_cache.dtype != E4M3 or any(st % 2 for st in v_cache.stride()[:3]):
-            raise ValueError(
-                "v_pairs reads e4m3 pages whose rows are an even number of bytes apart"
-            )
-        v_scale = v_scale * 256.0  # V widened to 1/256 of its values
     split_attend, merge = _kernels()
     log2e = 1.4426950408889634
     split_attend[(batch, num_kv_heads, splits)](
@@ -382,7 +345,7 @@ def paged_decode(
         G=group, G_PAD=group_rows(num_heads, num_kv_heads), D=head_dim,
         PAGE=k_cache.shape[1], BLOCK_PAGES=decode_plan.block_pages,
         CHUNK_PAGES=decode_plan.chunk_pages, MAX_CHUNKS=MAX_SPLITS, COMPUTE=compute,
-        EARLY_V=decode_plan.early_v, V_PAIRS=decode_plan.v_pairs,
+        EARLY_V=decode_plan.early_v,
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
     )  # fmt: skip
     if partials:
