@@ -42,12 +42,16 @@ L2_BYTES = 400e6
 
 
 def shapes(model: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of each one-row product of ``model``'s decode step."""
+    """(N, K) of each one-row product of ``model``'s decode step (for a mixture of
+    experts: its dense products and the router)."""
     mc = ModelConfig.from_dict(PRESETS[model])
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    attention = {"qkv": (q + 2 * kv, mc.hidden_size), "o": (mc.hidden_size, q)}
+    if mc.moe is not None:  # the experts are bench_moe's
+        return {**attention, "router": (mc.moe.num_experts, mc.hidden_size),
+                "lm_head": (mc.vocab_size, mc.hidden_size)}  # fmt: skip
     return {
-        "qkv": (q + 2 * kv, mc.hidden_size),
-        "o": (mc.hidden_size, q),
+        **attention,
         "gate_up": (2 * mc.intermediate_size, mc.hidden_size),
         "down": (mc.hidden_size, mc.intermediate_size),
         "lm_head": (mc.vocab_size, mc.hidden_size),

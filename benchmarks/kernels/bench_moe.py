@@ -44,12 +44,16 @@ SWEEP_TILES = (
 """(block_n, block_k, warps, stages) tried at every row block by ``--sweep``."""
 SWEEP_GEMV = (
     moe_triton.GEMV_TILES,
+    moe_triton.GemvTiles(1, 1024, 2, 1, 256, 2),
+    moe_triton.GemvTiles(1, 2048, 4, 1, 1024, 2),
     moe_triton.GemvTiles(1, 2048, 8, 1, 1024, 4),
+    moe_triton.GemvTiles(1, 512, 1, 1, 256, 1),
+    moe_triton.GemvTiles(2, 1024, 4, 2, 256, 2),
     moe_triton.GemvTiles(2, 1024, 4, 1, 1024, 8),
     moe_triton.GemvTiles(2, 2048, 8, 2, 1024, 4),
     moe_triton.GemvTiles(4, 512, 4, 4, 256, 4),
     moe_triton.GemvTiles(4, 1024, 8, 2, 512, 4),
-    moe_triton.GemvTiles(1, 1024, 2, 1, 256, 2),
+    moe_triton.GemvTiles(4, 256, 2, 4, 128, 2),
     moe_triton.GemvTiles(8, 256, 4, 8, 256, 4),
 )
 """Matrix-vector tiles tried by ``--sweep`` where the pairs are few."""
@@ -123,10 +127,10 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
     row["default"]["of_floor"] = floor_us / row["default"]["us"]
     if args.sweep:
         sweep = []
-        if n * k <= 256:
+        if n * k <= 256 and "gemv" in args.sweep_paths:
             for g in SWEEP_GEMV:
                 sweep.append({"path": "gemv", "gemv": g._asdict(), **time_config(n * k, None, g)})
-        for bm in (16, 32, 64, 128):
+        for bm in (16, 32, 64, 128) if "grouped" in args.sweep_paths else ():
             for bn, bk, warps, stages in SWEEP_TILES:
                 t = moe_triton.GemmTiles(bm, bn, bk, warps, stages)
                 try:
@@ -136,7 +140,8 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
                 sweep.append({"path": "grouped", "tiles": t._asdict(), **r})
         ok = [s for s in sweep if "us" in s]
         row["sweep"] = sweep
-        row["sweep_best"] = min(ok, key=lambda s: s["us"])
+        if ok:
+            row["sweep_best"] = min(ok, key=lambda s: s["us"])
         row["route_sweep"] = [{**t._asdict(), "us": route_us(t)} for t in SWEEP_ROUTE]
     return row
 
@@ -150,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen3-30b-a3b", help="a MoE preset or checkpoint dir")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 64, 256, 1024, 8192])
     p.add_argument("--sweep", action="store_true", help="also time both paths and a tile grid")
+    p.add_argument(
+        "--sweep-paths",
+        nargs="+",
+        choices=["gemv", "grouped"],
+        default=["gemv", "grouped"],
+        help="paths whose tiles --sweep tries (default: both)",
+    )
     p.add_argument("--reps", type=int, default=10, help="timed graph replays per case (default 10)")
     p.add_argument("--output-file", default=None)
     return p

@@ -140,30 +140,33 @@ def _kernels() -> dict[str, Any]:
         w13,
         ids,
         act,
-        hidden,
-        inter,
         stride_x,
         stride_we,
         stride_wn,
         stride_a,
+        HIDDEN: tl.constexpr,
+        INTER: tl.constexpr,
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         # Program (pair, row block): the gate and up rows of the block, summed
-        # over k in a 2-D accumulator reduced once (no reduction per tile).
+        # over k in a 2-D accumulator reduced once (no reduction per tile). The
+        # k loop is unrolled (the model's sizes are constants), so every tile's
+        # loads are issued before the first is used: a program's bytes in
+        # flight, not one tile's, hide the memory's latency.
         pair = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         e = tl.load(ids + pair).to(tl.int64)
         row = x + (pair // TOP_K) * stride_x
         gate = w13 + e * stride_we + n[:, None] * stride_wn
-        up = gate + inter * stride_wn
-        live = n < inter
+        up = gate + INTER * stride_wn
+        live = n < INTER
         acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            km = k < hidden
+            km = k < HIDDEN
             a = tl.load(row + k, mask=km, other=0.0).to(tl.float32)
             m = live[:, None] & km[None, :]
             acc_g += tl.load(gate + k[None, :], mask=m, other=0.0).to(tl.float32) * a[None, :]
@@ -179,31 +182,32 @@ def _kernels() -> dict[str, Any]:
         ids,
         weights,
         out,
-        hidden,
-        inter,
         stride_a,
         stride_we,
         stride_wn,
         stride_o,
+        HIDDEN: tl.constexpr,
+        INTER: tl.constexpr,
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         # Program (token, row block): the token's top_k experts' rows, each
-        # weighted by the router, in one 2-D accumulator (the experts' loads are
-        # independent, so they are in flight together).
+        # weighted by the router, in one 2-D accumulator. Both loops are
+        # unrolled, so the loads of every expert and k tile are in flight
+        # together (with a loop over k, each expert's tiles waited in turn).
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = n < hidden
+        live = n < HIDDEN
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             pair = t * TOP_K + j
             e = tl.load(ids + pair).to(tl.int64)
             w = tl.load(weights + pair)
             base = w2 + e * stride_we + n[:, None] * stride_wn
-            for k0 in range(0, inter, BLOCK_K):
+            for k0 in tl.static_range(0, INTER, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
-                km = k < inter
+                km = k < INTER
                 a = tl.load(act + pair * stride_a + k, mask=km, other=0.0).to(tl.float32)
                 b = tl.load(base + k[None, :], mask=live[:, None] & km[None, :], other=0.0)
                 acc += b.to(tl.float32) * (w * a)[None, :]
@@ -475,12 +479,12 @@ def fused_experts(
             w13,
             ids,
             act,
-            hidden,
-            inter,
             x.stride(0),
             w13.stride(0),
             w13.stride(1),
             act.stride(0),
+            HIDDEN=hidden,
+            INTER=inter,
             TOP_K=top_k,
             BLOCK_N=g.up_n,
             BLOCK_K=up_k,
@@ -492,12 +496,12 @@ def fused_experts(
             ids,
             weights,
             out,
-            hidden,
-            inter,
             act.stride(0),
             w2.stride(0),
             w2.stride(1),
             out.stride(0),
+            HIDDEN=hidden,
+            INTER=inter,
             TOP_K=top_k,
             BLOCK_N=g.down_n,
             BLOCK_K=down_k,
