@@ -44,7 +44,6 @@ SWEEP_TILES = (
 """(block_n, block_k, warps, stages) tried at every row block by ``--sweep``."""
 SWEEP_GEMV = (
     moe_triton.GEMV_TILES,
-    moe_triton.GemvTiles(1, 1024, 2, 1, 256, 2),
     moe_triton.GemvTiles(1, 2048, 4, 1, 1024, 2),
     moe_triton.GemvTiles(1, 2048, 8, 1, 1024, 4),
     moe_triton.GemvTiles(1, 512, 1, 1, 256, 1),
