@@ -60,7 +60,13 @@ def write_record(
     return path
 
 
-KERNEL_SETTINGS = ("quantization", "kv_cache_dtype", "fuse_rope_kv_write", "decode_kernel")
+KERNEL_SETTINGS = (
+    "quantization",
+    "kv_cache_dtype",
+    "fuse_rope_kv_write",
+    "decode_kernel",
+    "cuda_graph_max_tokens",
+)
 """Engine settings that choose kernels: flags of the engine tools, copied
 into their configs and records."""
 

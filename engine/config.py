@@ -34,6 +34,8 @@ DECODE_KERNEL_CHOICES = ("auto", *DECODE_KERNELS)
 CUDA_TOKEN_BUDGET = 8192
 """Tokens per forward on CUDA (see the token-budget table in the docs)."""
 CPU_TOKEN_BUDGET = 2048
+PIECE_GRAPH_TOKENS = 2048
+"""Largest forward the piecewise CUDA graphs take by default (``cuda_graph_max_tokens``)."""
 CPU_KV_CACHE_GB = 0.25
 """The KV pool off CUDA, where the device's memory is the host's."""
 
@@ -94,6 +96,16 @@ class EngineConfig:
         "with flashinfer attention, else 0)",
         group=MODEL_GROUP,
     )
+    cuda_graph_max_tokens: int | None = setting(
+        None,
+        help="largest prefill or mixed forward (in tokens) run as CUDA graphs in pieces "
+        "between the layers' attention calls, which run eagerly; 0 disables (default: auto, "
+        "min(2048, the token budget) with flashinfer attention, else 0)",
+        group=MODEL_GROUP,
+    )
+    """auto: past about 2048 tokens the GPU's work outlasts the host's launches
+    even eagerly, and every bucket costs a capture at start-up
+    (``engine.piece_graphs``)."""
     fuse_rope_kv_write: bool | None = setting(
         None,
         help="with flashinfer attention, one Triton kernel per layer for the q/k norms, "
@@ -249,6 +261,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError("cuda_graph_max_bs must be >= 0")
+        if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
+            raise ValueError("cuda_graph_max_tokens must be >= 0")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
 
@@ -333,6 +347,13 @@ class EngineConfig:
             graph_bs = min(self.max_running_requests, 256) if backend == "flashinfer" else 0
         if graph_bs and backend != "flashinfer":
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
+        budget = self.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET)
+        graph_tokens = self.cuda_graph_max_tokens
+        if graph_tokens is None:
+            graph_tokens = PIECE_GRAPH_TOKENS if backend == "flashinfer" else 0
+        if graph_tokens and backend != "flashinfer":
+            raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
+        graph_tokens = min(graph_tokens, budget)  # no forward is larger
         if self.fuse_rope_kv_write and backend != "flashinfer":
             raise ValueError("fuse_rope_kv_write needs attention_backend 'flashinfer'")
         e4m3_pages = self.kv_cache_dtype == "fp8_e4m3"
@@ -375,8 +396,8 @@ class EngineConfig:
             decode_kernel=decode_kernel,
             fuse_rope_kv_write=fuse,
             cuda_graph_max_bs=graph_bs,
-            max_num_batched_tokens=self.max_num_batched_tokens
-            or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET),
+            cuda_graph_max_tokens=graph_tokens,
+            max_num_batched_tokens=budget,
             prefill_per_request=(
                 self.prefill_per_request
                 if self.prefill_per_request is not None

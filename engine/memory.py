@@ -14,8 +14,9 @@ once everything else it needs is counted::
   budget (split over the largest batch, whose logits and sampling are part of
   it) on a throw-away pool, with the allocator's peak counter.
 * ``CUDA graphs`` is the measured peak of one decode forward at the largest
-  captured batch: the graphs share one memory pool, which holds the
-  intermediates of the largest of them.
+  captured batch plus that of one forward of the piecewise graphs' largest
+  bucket: each kind shares one memory pool, which holds the intermediates of
+  the largest of its graphs.
 * ``reserve`` stays free for what the allocator's counters do not see (the
   libraries' code and buffers, NCCL and NIXL, fragmentation); it matters only
   when another process leaves less than the share free.

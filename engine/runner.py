@@ -25,6 +25,7 @@ from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import local_heads
+from engine.piece_graphs import PieceGraphs
 from engine.sampling import SamplingBatch, sample
 from engine.weights import init_dummy_weights, iter_safetensors
 from protocol.sampling import SamplingParams
@@ -172,6 +173,11 @@ class ModelRunner:
                     config.cuda_graph_max_bs,
                     max_pages_per_request=-(-config.context_length // config.page_size),
                 )
+        self.pieces: PieceGraphs | None = None
+        """Prefill and mixed forwards of up to ``cuda_graph_max_tokens`` tokens."""
+        if config.cuda_graph_max_tokens:
+            with torch.inference_mode():
+                self.pieces = PieceGraphs(self.model, self.device, config.cuda_graph_max_tokens)
 
     def _allocate_pool(self, config: EngineConfig, start: tuple[int, int, int] | None) -> int:
         """Allocate ``self.pool`` with ``config.num_pages`` pages, or where that
@@ -259,14 +265,17 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile(self, config: EngineConfig) -> tuple[int, int]:
         """Peak bytes of one forward of the token budget over the largest batch
-        (logits and sampling included), and of one decode forward at the
-        largest graph size, each on a throw-away pool that holds just them."""
+        (logits and sampling included), and what the graphs' pools will hold:
+        one decode forward at the largest graph size plus one forward of the
+        piecewise graphs' largest bucket, each on a throw-away pool that holds
+        just them."""
         page, vocab = config.page_size, self.model_config.vocab_size
         tokens = config.token_budget
         rows = min(config.max_running_requests, tokens)
         lens = [tokens // rows + (i < tokens % rows) for i in range(rows)]
         graph_rows = config.cuda_graph_max_bs or 0
-        pages = max(sum(-(-n // page) for n in lens), graph_rows) + 1
+        graph_tokens = config.cuda_graph_max_tokens or 0
+        pages = max(sum(-(-n // page) for n in lens), graph_rows, -(-graph_tokens // page)) + 1
         attn = self._attention(KVPool(self._pool_config(pages, config)), config)
 
         def forward(lengths: list[int], sampled: bool) -> None:
@@ -287,9 +296,12 @@ class ModelRunner:
                 sample(logits, params)
 
         activations = peak_bytes(self.device, lambda: forward(lens, True))
-        if not graph_rows:
-            return activations, 0
-        return activations, peak_bytes(self.device, lambda: forward([1] * graph_rows, False))
+        graphs = 0
+        if graph_rows:
+            graphs += peak_bytes(self.device, lambda: forward([1] * graph_rows, False))
+        if graph_tokens:
+            graphs += peak_bytes(self.device, lambda: forward([graph_tokens], False))
+        return activations, graphs
 
     @property
     def graph_max_bs(self) -> int:
@@ -317,7 +329,10 @@ class ModelRunner:
             if rows is not None:
                 return self.graphs.run(rows)
         self.attn.begin_forward(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        if self.pieces is not None and self.pieces.can_run(batch):
+            hidden = self.pieces.run(batch, self.attn)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.attn)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()

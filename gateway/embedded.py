@@ -30,6 +30,7 @@ EMBEDDED_SETTINGS = (
     "context_length",
     "attention_backend",
     "cuda_graph_max_bs",
+    "cuda_graph_max_tokens",
     "page_size",
     "num_pages",
     "kv_cache_memory_gb",

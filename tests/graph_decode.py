@@ -41,7 +41,9 @@ def small_runner(
     """A runner of ``SMALL_LLAMA`` as ``arch`` (Qwen3: with q/k norms) with
     ``kv_heads`` KV heads and dummy bf16 weights on cuda:0: ``num_pages``
     pages of ``PAGE_SIZE``, decode graphs up to ``graph_bs`` rows (0: none),
-    and the given engine settings."""
+    and the given engine settings; piecewise graphs only where they name
+    ``cuda_graph_max_tokens`` (otherwise every other forward is eager)."""
+    settings.setdefault("cuda_graph_max_tokens", 0)
     config = {**SMALL_LLAMA, "architectures": [arch], "num_key_value_heads": kv_heads}
     mc = ModelConfig.from_dict(config, dtype=torch.bfloat16)
     cfg = EngineConfig(

@@ -58,6 +58,7 @@ OLD_FLAGS: dict[str, tuple[Any, list[str], Any]] = {
     "--dtype": ("auto", ["float16"], "float16"),
     "--attention-backend": ("auto", ["torch_native"], "torch_native"),
     "--cuda-graph-max-bs": (None, ["0"], 0),
+    "--cuda-graph-max-tokens": (None, ["0"], 0),
     "--tp-size": (1, ["2"], 2),
     "--context-length": (None, ["auto"], None),
     "--page-size": (16, ["32"], 32),

@@ -94,10 +94,14 @@ KERNEL_MODEL = {
 
 
 def _kernel_runner(
-    backend: str, graph_bs: int | None = None, num_pages: int = 128, kv_heads: int = 2
+    backend: str,
+    graph_bs: int | None = None,
+    num_pages: int = 128,
+    kv_heads: int = 2,
+    graph_tokens: int = 0,
 ) -> ModelRunner:
     """``kv_heads`` 2: two query heads per KV head (CUDA-core decode); 1: four
-    (tensor-core decode)."""
+    (tensor-core decode). ``graph_tokens``: piecewise graphs' largest forward."""
     model = {**KERNEL_MODEL, "num_key_value_heads": kv_heads}
     mc = ModelConfig.from_dict(model, dtype=torch.bfloat16)
     cfg = EngineConfig(
@@ -109,6 +113,7 @@ def _kernel_runner(
         max_running_requests=256,
         attention_backend=backend,
         cuda_graph_max_bs=graph_bs,
+        cuda_graph_max_tokens=graph_tokens,
     ).resolve(mc)
     assert cfg.attention_backend == backend
     return ModelRunner(cfg, mc)
@@ -130,9 +135,12 @@ def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
         # Decode of 4 rows: too big for graphs up to 2 (eager), a graph of 4 below.
         _kernel_runner("flashinfer", graph_bs=2, kv_heads=kv_heads),
         _kernel_runner("flashinfer", graph_bs=8, kv_heads=kv_heads),
+        # Every forward from the piecewise graphs, decode rows included.
+        _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads, graph_tokens=256),
     ]
     assert runners[0].graphs is None and runners[1].graphs is None
     assert runners[3].graphs is not None and runners[3].graphs.sizes == [1, 2, 4, 8]
+    assert runners[1].pieces is None and runners[4].pieces is not None
     ps = PAGE_SIZE
     steps, _ = mixed_steps(runners)
     for i, specs in enumerate(steps):
@@ -145,8 +153,9 @@ def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
             assert diff.mean().item() < 0.005 * scale, what
             agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
             assert agree > 0.9, f"{what}: argmax agrees on {agree:.0%}"
-        # The graph replays the eager kernels: same numbers up to the work split.
+        # The graphs replay the eager kernels: same numbers up to the work split.
         assert (outs[2] - outs[0]).abs().max().item() < 0.01 * scale, f"step {i}: graph vs eager"
+        assert (outs[3] - outs[0]).abs().max().item() < 0.01 * scale, f"step {i}: pieces vs eager"
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])

@@ -10,7 +10,13 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from graph_decode import PAGE_SIZE, assert_graph_equals_eager, decode_specs, eager_logits
+from graph_decode import (
+    PAGE_SIZE,
+    assert_graph_equals_eager,
+    decode_specs,
+    eager_logits,
+    mixed_steps,
+)
 
 from engine.config import EngineConfig
 from engine.forward_batch import ExtendSpec, build_forward_batch
@@ -110,7 +116,11 @@ def test_fused_experts_replay_in_a_graph(n: int) -> None:
         assert torch.equal(out, step()), f"replay {seed}"
 
 
-def _runner(graph_bs: int | None = None, num_pages: int = 1200) -> ModelRunner:
+def _runner(
+    graph_bs: int | None = None, num_pages: int = 1200, graph_tokens: int = 0
+) -> ModelRunner:
+    """``graph_tokens``: piecewise graphs' largest forward (0, the default:
+    every forward but the decode graphs' eager, so ``reference_experts`` applies)."""
     mc = ModelConfig.from_dict(MOE_MODEL, dtype=torch.bfloat16)
     cfg = EngineConfig(
         model="moe-kernel-test",
@@ -120,6 +130,7 @@ def _runner(graph_bs: int | None = None, num_pages: int = 1200) -> ModelRunner:
         num_pages=num_pages,
         max_running_requests=256,
         cuda_graph_max_bs=graph_bs,
+        cuda_graph_max_tokens=graph_tokens,
     ).resolve(mc)
     runner = ModelRunner(cfg, mc)
     # Dummy router weights are small; scaled up, a token's top-k is clear of
@@ -181,3 +192,25 @@ def test_moe_cuda_graph_decode_equals_eager(batch_size: int) -> None:
     assert (eager - ref).abs().max().item() < 0.05 * scale
     agree = (eager.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree > 0.95
+
+
+def test_moe_piece_graphs_equal_eager() -> None:
+    """Prefill, a chunk beside decoding rows and decode replayed from the
+    piecewise graphs (the experts' grouped kernels captured at each bucket's
+    token count) against the eager forward of the same weights."""
+    runners = [_runner(graph_bs=0), _runner(graph_bs=0, graph_tokens=512)]
+    assert runners[0].pieces is None and runners[1].pieces is not None
+    free = [r.pool.allocator.num_free for r in runners]
+    steps, taken = mixed_steps(runners)
+    for i, specs in enumerate(steps):
+        ref, got = (
+            r.forward_logits(build_forward_batch(specs, PAGE_SIZE, "cuda:0")) for r in runners
+        )
+        ref, got = ref.float(), got.float()
+        scale = ref.abs().max().item()
+        assert (got - ref).abs().max().item() < 0.01 * scale, f"step {i}"
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert agree > 0.95, f"step {i}: argmax agrees on {agree:.0%}"
+    for r, pages, n in zip(runners, taken, free):
+        r.pool.allocator.free(pages)
+        assert r.pool.allocator.num_free == n

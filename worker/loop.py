@@ -119,6 +119,7 @@ class WorkerLoop(ABC):
                 dtype=str(mc.dtype).removeprefix("torch."),
                 attention_backend=cfg.attention_backend,
                 cuda_graph_max_bs=engine.runner.graph_max_bs,
+                cuda_graph_max_tokens=cfg.cuda_graph_max_tokens,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 chunk_size=cfg.effective_chunk_size,
                 max_running_requests=cfg.max_running_requests,

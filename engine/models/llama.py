@@ -54,10 +54,17 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor | Quantized, rope: RotaryInput, attn: AttentionBackend
     ) -> torch.Tensor:
-        n = x.shape[0]
+        return self.o_proj(self.core(self.qkv_proj(x), rope, attn))
+
+    def core(self, qkv: torch.Tensor, rope: RotaryInput, attn: AttentionBackend) -> torch.Tensor:
+        """Attention ``[n, heads * head_dim]`` from the QKV projection's output
+        ``[n, q + 2 kv]``: q/k norms, rotary embedding, KV write and the
+        attention kernel, everything of the layer that reads the KV pool (the
+        part ``engine.piece_graphs`` runs between its graphs)."""
+        n = qkv.shape[0]
         # Views into the projection's output: the kernels read them through their
         # strides (rotary may rotate them in place), so no copy is made.
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -80,7 +87,7 @@ class Attention(nn.Module):
             out = attn.forward(q, k, v, self.layer)
         if self.kv_scales is not None:
             out = out * self.kv_scales[1]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return out.reshape(n, self.q_size)
 
 
 class MLP(nn.Module):
@@ -129,10 +136,24 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream before it)``: the add of the two is left
         to the next norm, which fuses it (``residual`` None: the first layer)."""
+        qkv, residual = self.pre(h, residual)
+        return self.post(self.self_attn.core(qkv, rope, attn), residual)
+
+    def pre(
+        self, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(QKV projection, residual stream)``: the layer up to its attention."""
         # An FP8 product after a norm takes the norm's output quantized in the
         # norm's kernel (RMSNorm.forward_for); a sparse MLP takes it as it is.
         h, residual = self.input_layernorm.forward_for(h, residual, self.self_attn.qkv_proj)
-        h = self.self_attn(h, rope, attn)
+        return self.self_attn.qkv_proj(h), residual
+
+    def post(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream before it)`` from the attention's
+        output: the layer after its attention."""
+        h = self.self_attn.o_proj(attn_out)
         gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None
         h, residual = self.post_attention_layernorm.forward_for(h, residual, gate_up)
         return self.mlp(h), residual
@@ -210,6 +231,10 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, rope, attn)
+        return self.final_norm(h, residual)
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The hidden states after the last layer's ``(output, residual)``."""
         if residual is None:  # no layers
             return self.model.norm(h)
         return self.model.norm.add_forward(h, residual)[0]

@@ -1,0 +1,170 @@
+"""CUDA graphs of prefill and mixed forwards, in pieces between attention calls.
+
+A forward of a few hundred to a few thousand tokens (a prompt, or decode rows
+plus a prefill chunk) launches some ten kernels a layer, and from Python each
+launch costs the host tens of microseconds: at FP8 a 1024-token prompt takes
+the host longer to queue than the GPU to run. The decode graphs
+(``engine.cuda_graph``) cannot take these batches: their attention is planned
+per batch for the prefill kernel, whose work split depends on every
+request's lengths. So the forward is captured in pieces, cut at attention:
+
+    piece 0      embedding, layer 0 up to its QKV projection
+    attention 0  run eagerly (``Attention.core``: rotary, KV write, kernel)
+    piece 1      layer 0 from its o projection, layer 1 up to its QKV projection
+    ...
+    piece L      layer L-1 from its o projection, the final norm
+
+One set of graphs per bucket of token counts; a forward of ``n`` tokens runs
+the smallest bucket ``>= n``, its rows past ``n`` padding that attention never
+sees (rows are independent everywhere else). Attention runs on the first ``n``
+rows of the QKV output and writes into a static buffer the next piece reads.
+
+Memory: the pieces of every bucket share one pool, captured in the order they
+replay. A piece's outputs are released once the next piece is captured, so
+later captures reuse their blocks; the eager attention reads a piece's QKV
+output through a view that does not own it (``_borrowed``), valid from that
+piece's replay until the next one. Graph outputs are only read in that window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.forward_batch import ForwardBatch
+
+SMALLEST = 64
+
+
+def bucket_sizes(max_tokens: int) -> list[int]:
+    """The captured token counts up to ``max_tokens`` (always including it):
+    steps of 64, and past 512 an eighth of the power of two below (128 from
+    1024, 256 from 2048, ...), so a forward of more than 512 tokens pads by
+    less than an eighth of itself."""
+    sizes, s = [], SMALLEST
+    while s < max_tokens:
+        sizes.append(s)
+        s += max(SMALLEST, (1 << (s.bit_length() - 1)) // 8)
+    return [*sizes, max_tokens]
+
+
+def _borrowed(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s view without a claim on its memory: the caching allocator may
+    hand the block to a later capture of the same pool (see the module's doc)."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
+    )
+    view = torch.empty(0, dtype=t.dtype, device=t.device)
+    return view.set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+class _Bucket:
+    """The graphs of one token count: ``graphs[i]`` is piece ``i``; ``qkv[i]``
+    the QKV output of piece ``i`` (borrowed); ``hidden`` the last piece's output."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.qkv: list[torch.Tensor] = []
+        self.hidden: torch.Tensor | None = None
+
+
+class PieceGraphs:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, max_tokens: int, capture: bool = True
+    ) -> None:
+        """``model``: a decoder of ``engine.models.llama`` with at least one
+        layer. ``capture`` False: the same pieces, buffers and padding run
+        eagerly on any device (no graphs), as a reference for the replays."""
+        self.model = model
+        self.layers = list(model.model.layers)
+        assert self.layers, "piecewise graphs need a model with layers"
+        self.max_tokens = max_tokens
+        self.sizes = bucket_sizes(max_tokens)
+        self.device = device
+        attn0 = self.layers[0].self_attn
+        dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = dtype
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.attn_out = torch.zeros(max_tokens, attn0.q_size, dtype=dtype, device=device)
+        """What each piece after the first reads: the attention before it."""
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool: tuple[int, int] | None = None
+        if not capture:
+            return
+        self._side = torch.cuda.Stream(device)
+        with torch.cuda.device(device):
+            for size in reversed(self.sizes):  # largest first: the pool's blocks fit the rest
+                self._buckets[size] = self._capture(size)
+            torch.cuda.synchronize(device)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return 0 < batch.input_ids.numel() <= self.max_tokens
+
+    def _pieces(self, size: int) -> list[Callable[[object], object]]:
+        """Piece ``i`` as a function of piece ``i - 1``'s ``(qkv, residual)``."""
+        ids, attn_out, layers = self.input_ids[:size], self.attn_out[:size], self.layers
+
+        def first(_: object) -> object:
+            return layers[0].pre(self.model.model.embed_tokens(ids), None)
+
+        def middle(i: int) -> Callable[[object], object]:
+            def piece(prev: object) -> object:
+                h, residual = layers[i - 1].post(attn_out, prev[1])
+                return layers[i].pre(h, residual)
+
+            return piece
+
+        def last(prev: object) -> object:
+            return self.model.final_norm(*layers[-1].post(attn_out, prev[1]))
+
+        return [first, *(middle(i) for i in range(1, len(layers))), last]
+
+    def _capture(self, size: int) -> _Bucket:
+        pieces = self._pieces(size)
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graphs (compiles, lazy inits)
+                out: object = None
+                for piece in pieces:
+                    out = piece(out)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        bucket, out = _Bucket(), None
+        for i, piece in enumerate(pieces):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                new = piece(out)
+            self._pool = graph.pool()
+            bucket.graphs.append(graph)
+            out = new  # the previous piece's outputs are free for later captures
+            if i < len(self.layers):
+                bucket.qkv.append(_borrowed(out[0]))
+        bucket.hidden = out
+        return bucket
+
+    def run(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` after the final norm of ``batch``'s
+        ``n`` tokens (``can_run``; ``attn.begin_forward(batch)`` done). Only
+        valid until the next forward on these graphs."""
+        n = batch.input_ids.numel()
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        rope = self.model.rotary.prepare(batch.positions, self.dtype)
+        attn_out = self.attn_out[:n]
+        bucket = self._buckets.get(size)
+        if bucket is None:  # not captured: the pieces eagerly
+            out: object = None
+            for i, piece in enumerate(self._pieces(size)):
+                out = piece(out)
+                if i < len(self.layers):
+                    qkv = out[0][:n]  # type: ignore[index]
+                    attn_out.copy_(self.layers[i].self_attn.core(qkv, rope, attn))
+            return out[:n]  # type: ignore[index]
+        for layer, graph, qkv in zip(self.layers, bucket.graphs, bucket.qkv):
+            graph.replay()
+            attn_out.copy_(layer.self_attn.core(qkv[:n], rope, attn))
+        bucket.graphs[-1].replay()
+        assert bucket.hidden is not None
+        return bucket.hidden[:n]

@@ -1,0 +1,95 @@
+"""The piecewise forward (``engine.piece_graphs``): the layers cut at attention,
+padded to a bucket of token counts, must give the model's own forward on the
+real rows. Checked on CPU with the pieces run eagerly (the same pieces, buffers
+and padding the graphs capture); the CUDA-graph replay of them is a GPU test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.model_config import ModelConfig
+from engine.piece_graphs import PieceGraphs, bucket_sizes
+from engine.runner import ModelRunner
+
+
+def test_bucket_sizes() -> None:
+    sizes = bucket_sizes(2048)
+    assert sizes[0] == 64 and sizes[-1] == 2048
+    assert sizes == sorted(set(sizes))
+    for n in range(1, 2049):
+        bucket = next(s for s in sizes if s >= n)
+        # A step of 64 up to 512 tokens; past it, padding under an eighth.
+        assert bucket - n < 64 or (n > 512 and (bucket - n) * 8 < n), n
+    assert bucket_sizes(100) == [64, 100]
+    assert bucket_sizes(1) == [1]
+
+
+def _runner(model_dir: str) -> ModelRunner:
+    mc = ModelConfig.load(model_dir, torch.float32)
+    cfg = EngineConfig(model=model_dir, device="cpu", page_size=4, num_pages=96).resolve(mc)
+    assert cfg.cuda_graph_max_tokens == 0  # no graphs off CUDA
+    return ModelRunner(cfg, mc)
+
+
+@pytest.mark.parametrize("lens", [[(0, 37)], [(5, 1), (0, 30), (12, 40)], [(0, 64)]])
+def test_pieces_equal_the_forward(model_dir: str, lens: list[tuple[int, int]]) -> None:
+    """Requests given as (cached tokens, new tokens): a prompt, a mixed batch
+    (one decoding row, a prompt, a chunk after a prefix), a whole bucket."""
+    runner = _runner(model_dir)
+    alloc = runner.pool.allocator
+    free = alloc.num_free
+    ps = runner.pool.page_size
+    gen = torch.Generator().manual_seed(len(lens))
+    specs = []
+    for cached, new in lens:
+        ids = torch.randint(3, 500, (cached + new,), generator=gen).tolist()
+        table = alloc.alloc(-(-(cached + new) // ps))
+        assert table is not None
+        if cached:  # the prefix's KV in the pool first
+            runner.forward_logits(
+                build_forward_batch([ExtendSpec(ids[:cached], 0, table)], ps, "cpu")
+            )
+        specs.append(ExtendSpec(ids[cached:], cached, table, "all"))
+    batch = build_forward_batch(specs, ps, "cpu")
+    n = batch.input_ids.numel()
+    pieces = PieceGraphs(runner.model, torch.device("cpu"), 96, capture=False)
+    # Padding rows hold whatever the buffers held: NaN here must stay in them.
+    pieces.attn_out.fill_(float("nan"))
+    runner.attn.begin_forward(batch)
+    want = runner.model(batch.input_ids, batch.positions, runner.attn)
+    runner.attn.begin_forward(batch)
+    got = pieces.run(batch, runner.attn)
+    assert got.shape == want.shape == (n, runner.model_config.hidden_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert n == 96 or pieces.attn_out[n:].isnan().all()  # the padding was never attended
+    for spec in specs:
+        alloc.free(spec.page_table)
+    assert alloc.num_free == free
+
+
+def test_piece_graph_settings() -> None:
+    mc = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 100,
+            "max_position_embeddings": 256,
+        }  # fmt: skip
+    )
+
+    def resolved(**kw: object) -> EngineConfig:
+        return EngineConfig(model="m", load_format="dummy", device="cpu", **kw).resolve(mc)
+
+    assert resolved().cuda_graph_max_tokens == 0
+    with pytest.raises(ValueError, match="flashinfer"):
+        resolved(cuda_graph_max_tokens=512)
+    with pytest.raises(ValueError, match=">= 0"):
+        EngineConfig(cuda_graph_max_tokens=-1)
+    assert resolved(cuda_graph_max_tokens=0).cuda_graph_max_tokens == 0

@@ -1,0 +1,71 @@
+"""On CUDA: forwards replayed from the piecewise graphs (``engine.piece_graphs``)
+against the eager forward of the same weights, for every kind of step a
+serving loop makes, with the kernels each model and flag set takes inside
+the pieces (FP8 products and their fused quantization, the fused q/k
+prologue and e4m3 pages in the eager attention between them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from graph_decode import PAGE_SIZE, mixed_steps, small_runner
+
+from engine.forward_batch import ExtendSpec, build_forward_batch
+
+pytestmark = pytest.mark.gpu
+
+CASES = {
+    "llama": ("LlamaForCausalLM", {}),
+    "qwen3-fused-prologue": ("Qwen3ForCausalLM", {}),
+    "fp8-e4m3": ("LlamaForCausalLM", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_piece_graphs_equal_eager(case: str) -> None:
+    arch, settings = CASES[case]
+    runners = [
+        small_runner(0, arch, cuda_graph_max_tokens=0, **settings),
+        small_runner(0, arch, cuda_graph_max_tokens=256, **settings),
+    ]
+    pieces = runners[1].pieces
+    assert runners[0].pieces is None and pieces is not None and pieces.sizes[-1] == 256
+    free = [r.pool.allocator.num_free for r in runners]
+    steps, taken = mixed_steps(runners)
+    for i, specs in enumerate(steps):
+        batch = build_forward_batch(specs, PAGE_SIZE, "cuda:0")
+        with torch.inference_mode():
+            ref, got = (r.forward_logits(batch).float() for r in runners)
+        scale = ref.abs().max().item()
+        diff = (got - ref).abs().max().item()
+        assert diff < 0.01 * scale, f"step {i}: {diff} vs {scale}"
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert agree > 0.95, f"step {i}: argmax agrees on {agree:.0%}"
+    for r, pages, n in zip(runners, taken, free):
+        r.pool.allocator.free(pages)
+        assert r.pool.allocator.num_free == n
+
+
+def test_piece_graphs_replay_alike_and_fall_back_past_their_largest() -> None:
+    """The same prompt twice gives the same logits to the bit (the buffers a
+    replay reads are all refilled); a prompt past the largest bucket runs
+    eagerly, and one of the smaller buckets still replays after it."""
+    runner = small_runner(0, cuda_graph_max_tokens=128)
+    pieces = runner.pieces
+    assert pieces is not None and pieces.sizes == [64, 128]
+    gen = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (100, 300, 40))
+    alloc = runner.pool.allocator
+    free = alloc.num_free
+    outs = []
+    for ids in (a, b, a, c):
+        pages = alloc.alloc(-(-len(ids) // PAGE_SIZE))
+        assert pages is not None
+        batch = build_forward_batch([ExtendSpec(ids, 0, pages, "all")], PAGE_SIZE, "cuda:0")
+        assert pieces.can_run(batch) == (len(ids) <= 128)
+        with torch.inference_mode():
+            outs.append(runner.forward_logits(batch).float().clone())
+        alloc.free(pages)
+    assert torch.equal(outs[0], outs[2])
+    assert outs[1].isfinite().all() and outs[3].isfinite().all()
+    assert alloc.num_free == free
