@@ -29,6 +29,7 @@ piece's replay until the next one. Graph outputs are only read in that window.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -89,6 +90,8 @@ class PieceGraphs:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.attn_out = torch.zeros(max_tokens, attn0.q_size, dtype=dtype, device=device)
         """What each piece after the first reads: the attention before it."""
+        self._attn_heads = self.attn_out.view(max_tokens, attn0.num_heads, attn0.head_dim)
+        """The same buffer as the attention kernels write it."""
         self._buckets: dict[int, _Bucket] = {}
         self._pool: tuple[int, int] | None = None
         if not capture:
@@ -102,21 +105,21 @@ class PieceGraphs:
     def can_run(self, batch: ForwardBatch) -> bool:
         return 0 < batch.input_ids.numel() <= self.max_tokens
 
-    def _pieces(self, size: int) -> list[Callable[[object], object]]:
+    def _pieces(self, size: int) -> list[Callable[[Any], Any]]:
         """Piece ``i`` as a function of piece ``i - 1``'s ``(qkv, residual)``."""
         ids, attn_out, layers = self.input_ids[:size], self.attn_out[:size], self.layers
 
-        def first(_: object) -> object:
+        def first(_: Any) -> Any:
             return layers[0].pre(self.model.model.embed_tokens(ids), None)
 
-        def middle(i: int) -> Callable[[object], object]:
-            def piece(prev: object) -> object:
+        def middle(i: int) -> Callable[[Any], Any]:
+            def piece(prev: Any) -> Any:
                 h, residual = layers[i - 1].post(attn_out, prev[1])
                 return layers[i].pre(h, residual)
 
             return piece
 
-        def last(prev: object) -> object:
+        def last(prev: Any) -> Any:
             return self.model.final_norm(*layers[-1].post(attn_out, prev[1]))
 
         return [first, *(middle(i) for i in range(1, len(layers))), last]
@@ -126,10 +129,9 @@ class PieceGraphs:
         side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graphs (compiles, lazy inits)
-                out: object = None
-                for piece in pieces:
-                    out = piece(out)
+            out: Any = None  # warm-up outside the graphs (compiles, lazy inits)
+            for piece in pieces:
+                out = piece(out)
         torch.cuda.current_stream(self.device).wait_stream(side)
         bucket, out = _Bucket(), None
         for i, piece in enumerate(pieces):
@@ -152,19 +154,22 @@ class PieceGraphs:
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         rope = self.model.rotary.prepare(batch.positions, self.dtype)
-        attn_out = self.attn_out[:n]
+        heads = self._attn_heads[:n]
+
+        def attention(i: int, qkv: torch.Tensor) -> None:
+            self.layers[i].self_attn.core(qkv[:n], rope, attn, heads)
+
         bucket = self._buckets.get(size)
         if bucket is None:  # not captured: the pieces eagerly
-            out: object = None
+            out: Any = None
             for i, piece in enumerate(self._pieces(size)):
                 out = piece(out)
                 if i < len(self.layers):
-                    qkv = out[0][:n]  # type: ignore[index]
-                    attn_out.copy_(self.layers[i].self_attn.core(qkv, rope, attn))
-            return out[:n]  # type: ignore[index]
-        for layer, graph, qkv in zip(self.layers, bucket.graphs, bucket.qkv):
+                    attention(i, out[0])
+            return out[:n]
+        for i, (graph, qkv) in enumerate(zip(bucket.graphs, bucket.qkv)):
             graph.replay()
-            attn_out.copy_(layer.self_attn.core(qkv[:n], rope, attn))
+            attention(i, qkv)
         bucket.graphs[-1].replay()
         assert bucket.hidden is not None
         return bucket.hidden[:n]

@@ -44,13 +44,25 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the new ``k``/``v`` ``[n, kv_heads, head_dim]`` into the pool, then
-        return attention output ``[n, heads, head_dim]`` for ``q`` ``[n, heads, head_dim]``."""
+        return attention output ``[n, heads, head_dim]`` for ``q`` ``[n, heads, head_dim]``:
+        ``out`` (contiguous) where given, else a new tensor."""
 
     def forward_fused(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pre: QKPrologue
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        pre: QKPrologue,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``forward`` with the layer's prologue ``pre`` applied on the way:
         ``q`` and ``k`` normed and rotated, and the KV scales applied (q times

@@ -347,7 +347,12 @@ class FlashInferAttention(AttentionBackend):
     # -- the kernel
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ix = self._append
         assert ix is not None, "begin_forward must come first"
@@ -357,23 +362,32 @@ class FlashInferAttention(AttentionBackend):
         self._append_kv(
             k, v, ix.batch_indices, ix.positions, cache, ix.indices, ix.indptr, ix.last_page_len
         )
-        return self._attend(q, cache)
+        return self._attend(q, cache, out)
 
     def forward_fused(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pre: QKPrologue
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        pre: QKPrologue,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ix = self._append
         assert ix is not None, "begin_forward must come first"
         cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
         rope_kv_write.rope_kv_write(q, k, v, pre, *cache, ix)
-        return self._attend(q, cache)
+        return self._attend(q, cache, out)
 
-    def _attend(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None
+    ) -> torch.Tensor:
         # q may be a strided view into the QKV projection: the kernels take its
         # row and head strides.
         # The output is always given: FlashInfer's prefill would otherwise
         # allocate it with torch.zeros (a memset kernel a layer).
-        out = q.new_empty(q.shape)
+        if out is None:
+            out = q.new_empty(q.shape)
         if self._wrapper is None:  # a decode batch on the Triton kernel
             return self._decode_rows(q, cache, out)
         d = self._num_decode_rows

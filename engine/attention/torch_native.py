@@ -29,13 +29,18 @@ class TorchNativeAttention(AttentionBackend):
                 self._masks.append(pos[None, :] <= q_pos[:, None])
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch = self._batch
         self.pool.write(layer, batch.write_pages, batch.write_slots, k, v)
         k_cache, v_cache = self.pool.k_layer(layer), self.pool.v_layer(layer)
         group = self.num_heads // self.num_kv_heads
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         start = 0
         for i, ext in enumerate(batch.extend_lens):
             pages, slots = self._gather[i]

@@ -56,11 +56,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         return self.o_proj(self.core(self.qkv_proj(x), rope, attn))
 
-    def core(self, qkv: torch.Tensor, rope: RotaryInput, attn: AttentionBackend) -> torch.Tensor:
+    def core(
+        self,
+        qkv: torch.Tensor,
+        rope: RotaryInput,
+        attn: AttentionBackend,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention ``[n, heads * head_dim]`` from the QKV projection's output
         ``[n, q + 2 kv]``: q/k norms, rotary embedding, KV write and the
         attention kernel, everything of the layer that reads the KV pool (the
-        part ``engine.piece_graphs`` runs between its graphs)."""
+        part ``engine.piece_graphs`` runs between its graphs). Written into
+        ``out`` ``[n, heads, head_dim]`` (contiguous) where given."""
         n = qkv.shape[0]
         # Views into the projection's output: the kernels read them through their
         # strides (rotary may rotate them in place), so no copy is made.
@@ -74,7 +81,7 @@ class Attention(nn.Module):
                 (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
             )
             pre = QKPrologue(positions, table, *norms, self.eps, self.kv_scales)
-            out = attn.forward_fused(q, k, v, self.layer, pre)
+            out = attn.forward_fused(q, k, v, self.layer, pre, out)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -84,9 +91,9 @@ class Attention(nn.Module):
                 # query and the output, so every backend reads the pages as stored.
                 ks, vs = self.kv_scales
                 q, k, v = q * ks, k / ks, v / vs
-            out = attn.forward(q, k, v, self.layer)
+            out = attn.forward(q, k, v, self.layer, out)
         if self.kv_scales is not None:
-            out = out * self.kv_scales[1]
+            out.mul_(self.kv_scales[1])
         return out.reshape(n, self.q_size)
 
 
