@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
@@ -176,8 +177,15 @@ class ModelRunner:
         self.pieces: PieceGraphs | None = None
         """Prefill and mixed forwards of up to ``cuda_graph_max_tokens`` tokens."""
         if config.cuda_graph_max_tokens:
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 self.pieces = PieceGraphs(self.model, self.device, config.cuda_graph_max_tokens)
+            log.info(
+                "piecewise CUDA graphs: %d token counts up to %d captured in %.1f s",
+                len(self.pieces.sizes),
+                self.pieces.max_tokens,
+                time.perf_counter() - t0,
+            )
 
     def _allocate_pool(self, config: EngineConfig, start: tuple[int, int, int] | None) -> int:
         """Allocate ``self.pool`` with ``config.num_pages`` pages, or where that
