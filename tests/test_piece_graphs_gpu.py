@@ -11,6 +11,7 @@ import torch
 from graph_decode import PAGE_SIZE, mixed_steps, small_runner
 
 from engine.forward_batch import ExtendSpec, build_forward_batch
+from engine.piece_graphs import PieceGraphs
 
 pytestmark = pytest.mark.gpu
 
@@ -21,26 +22,41 @@ CASES = {
 }
 
 
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).norm() / ref.norm()).item()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_piece_graphs_equal_eager(case: str) -> None:
+    """Each step three ways: replayed from the graphs; the same pieces at the
+    same padded size run eagerly (the same kernels: equal but for the
+    capture); and the model's own forward at the batch's real size, where the
+    products may take other kernels (bf16: within 2%; FP8, whose rounding
+    steps amplify a changed summation order: within 5%, as its logits alone
+    and in a batch are)."""
     arch, settings = CASES[case]
     runners = [
         small_runner(0, arch, cuda_graph_max_tokens=0, **settings),
         small_runner(0, arch, cuda_graph_max_tokens=256, **settings),
     ]
-    pieces = runners[1].pieces
+    runner = runners[1]
+    pieces = runner.pieces
     assert runners[0].pieces is None and pieces is not None and pieces.sizes[-1] == 256
+    eager_pieces = PieceGraphs(runner.model, runner.device, 256, capture=False)
     free = [r.pool.allocator.num_free for r in runners]
     steps, taken = mixed_steps(runners)
     for i, specs in enumerate(steps):
         batch = build_forward_batch(specs, PAGE_SIZE, "cuda:0")
         with torch.inference_mode():
             ref, got = (r.forward_logits(batch).float() for r in runners)
-        scale = ref.abs().max().item()
-        diff = (got - ref).abs().max().item()
-        assert diff < 0.01 * scale, f"step {i}: {diff} vs {scale}"
+            runner.attn.begin_forward(batch)
+            hidden = eager_pieces.run(batch, runner.attn)
+            same = runner.model.compute_logits(hidden[batch.logits_indices]).float()
+        assert _rel(got, same) < 1e-3, f"step {i}: replay against the eager pieces"
+        rel = _rel(got, ref)
+        assert rel < (5e-2 if settings else 2e-2), f"step {i}: {rel:.2e} from the forward"
         agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        assert agree > 0.95, f"step {i}: argmax agrees on {agree:.0%}"
+        assert agree > 0.9, f"step {i}: argmax agrees on {agree:.0%}"
     for r, pages, n in zip(runners, taken, free):
         r.pool.allocator.free(pages)
         assert r.pool.allocator.num_free == n
