@@ -345,14 +345,12 @@ class EngineConfig:
         graph_bs = self.cuda_graph_max_bs
         if graph_bs is None:
             graph_bs = min(self.max_running_requests, 256) if backend == "flashinfer" else 0
-        if graph_bs and backend != "flashinfer":
-            raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
-        budget = self.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET)
         graph_tokens = self.cuda_graph_max_tokens
         if graph_tokens is None:
             graph_tokens = PIECE_GRAPH_TOKENS if backend == "flashinfer" else 0
-        if graph_tokens and backend != "flashinfer":
+        if (graph_bs or graph_tokens) and backend != "flashinfer":
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
+        budget = self.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET)
         graph_tokens = min(graph_tokens, budget)  # no forward is larger
         if self.fuse_rope_kv_write and backend != "flashinfer":
             raise ValueError("fuse_rope_kv_write needs attention_backend 'flashinfer'")
