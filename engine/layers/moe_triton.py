@@ -18,7 +18,7 @@ Experts, two paths chosen by the number of (token, expert) pairs:
 - **Many pairs** (prefill, large batches): the pairs are grouped by expert
   into segments padded to the GEMM's row block (``align``: one kernel, every
   program counts all experts with a histogram and places its own expert's
-  pairs), then two grouped GEMMs run over the blocks: ``gate_up`` with SiLU-
+  pairs, and marks its share of the blocks past the last segment), then two grouped GEMMs run over the blocks: ``gate_up`` with SiLU-
   and-mul in its epilogue, ``down`` with the router weight in its epilogue;
   a token's ``top_k`` rows (adjacent: pair ``t * top_k + j``) are summed
   last, in float32, by one kernel. Each expert's weights are read once per
@@ -213,19 +213,21 @@ def _kernels() -> dict[str, Any]:
                 acc += b.to(tl.float32) * (w * a)[None, :]
         tl.store(out + t * stride_o + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=live)
 
-    @triton.jit(do_not_specialize=["pairs"])
+    @triton.jit(do_not_specialize=["pairs", "blocks"])
     def align_kernel(
         ids,
         sorted_pairs,
         block_expert,
         pairs,
+        blocks,
         BLOCK_M: tl.constexpr,
         BINS: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
         # Program e: where expert e's segment starts (the padded sizes of the
         # experts before it, from a histogram of all pairs), then its pairs in
-        # their original order, the padding, and the expert of its blocks.
+        # their original order, the padding, and the expert of its blocks;
+        # the blocks past the last segment, -1, shared out over the programs.
         # ``BINS`` exceeds the expert count: the last bin takes the padding.
         me = tl.program_id(0)
         counts = tl.zeros([BINS], dtype=tl.int32)
@@ -251,6 +253,9 @@ def _kernels() -> dict[str, Any]:
             tl.store(sorted_pairs + start + o, pairs, mask=o < size)
         for b in range(start // BLOCK_M, (start + size) // BLOCK_M):
             tl.store(block_expert + b, me)
+        used = tl.sum(tl.where(bins < BINS - 1, padded, 0), axis=0) // BLOCK_M
+        for b in range(used + me, blocks, tl.num_programs(0)):
+            tl.store(block_expert + b, -1)
 
     @triton.jit(do_not_specialize=["pairs"])
     def grouped_gate_up_kernel(
@@ -435,12 +440,13 @@ def align(ids: torch.Tensor, experts: int, block_m: int, chunk: int = 256) -> Al
     capacity = pairs + experts * (block_m - 1)
     blocks = (capacity + block_m - 1) // block_m
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     _kernels()["align"][(experts,)](
         ids,
         sorted_pairs,
         block_expert,
         pairs,
+        blocks,
         BLOCK_M=block_m,
         BINS=_pow2(experts + 1),
         CHUNK=chunk,
