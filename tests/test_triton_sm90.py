@@ -339,6 +339,70 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
     assert len({_specialized(launch)[0] for launch in launches}) == 7
 
 
+def test_every_decode_kernel_with_programmatic_dependent_launch(
+    monkeypatch: pytest.MonkeyPatch, launches: list[Launch]
+) -> None:
+    """As on an H200 (``pdl.enabled``): every Triton kernel of a decode step
+    is launched with ``launch_pdl`` and compiles with the wait for the kernel
+    before it and the early launch of the next as its first instructions."""
+    from engine.attention import paged_decode as pd
+    from engine.attention.rope_kv_write import AppendIndex, QKPrologue, rope_kv_write
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+    from engine.layers import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    n, k = LLAMA["down"]
+    t = gemv.tiles(n, k)
+    assert t is not None
+    gemv.run_gemv(_empty(1, k), _empty(n, k), None, t)
+    gemv.run_silu_gemv(_empty(1, 2 * k), _empty(n, k), t)
+    n, k = LLAMA["qkv"]
+    s = skinny.tiles(17, n, k)
+    assert s is not None
+    skinny.run_skinny(_empty(17, k), _empty(n, k), None, s)
+    q = _empty(n, k, dtype=fp8.E4M3)
+    rows = Quantized(_empty(3, k, dtype=fp8.E4M3), _empty(3, dtype=torch.float32), torch.bfloat16)
+    f = fp8_skinny.fits(rows, q)
+    assert f is not None
+    fp8_skinny.run(rows, q, _empty(n, dtype=torch.float32), None, f)
+    fp8_quant.norm_quantize(_empty(4, k), _empty(4, k), _empty(k), 1e-5)
+    fp8_quant.silu_mul_quantize(_empty(4, 2 * k))
+    fp8_quant.quantize_rows(_empty(4, k))
+    c = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16)
+    assert c.moe is not None
+    e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
+    moe_router.warm_up(_empty(e, h), c.moe.top_k, True, 1)
+    moe_triton.warm_up(_empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 5)
+    d = c.head_dim
+    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=torch.bfloat16))
+    qkv = _empty(1, (c.num_heads + 2 * c.num_kv_heads) * d)
+    qh, kh, vh = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+    ints = torch.zeros(2, dtype=torch.int32)
+    index = AppendIndex(ints[:1], ints[:1], ints, ints[:1], ints[:1])
+    pre = QKPrologue(torch.zeros(1, dtype=torch.int64), _empty(64, d, dtype=torch.float32),
+                     _empty(d), _empty(d), 1e-6, None)  # fmt: skip
+    rope_kv_write(qh.view(1, c.num_heads, d), kh.view(1, c.num_kv_heads, d),
+                  vh.view(1, c.num_kv_heads, d), pre, pool.k_layer(0), pool.v_layer(0), index)  # fmt: skip
+    plan = pd.plan(1, c.num_kv_heads, block_pages=4)
+    out = _empty(1, c.num_heads, d)
+    pd.paged_decode(qh.view(1, c.num_heads, d), pool.k_layer(0), pool.v_layer(0), ints, ints,
+                    ints[:1], out, d**-0.5, plan)  # fmt: skip
+    names = set()
+    for launch in launches:
+        name = launch[0].fn.__name__
+        assert launch[2].get("launch_pdl") is True and launch[2].get("PDL") is True, name
+        ptx = ptx_sm90(launch)
+        body = ptx[ptx.index(".entry") :]
+        assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body, name
+        # Nothing is read before the wait.
+        assert body.index("griddepcontrol.wait") < body.find("ld.global") % len(body), name
+        names.add(name)
+    expected = {"gemv", "silu_gemv", "skinny", "fp8_skinny", "router_kernel", "route_kernel",
+                "gemv_gate_up_kernel", "gemv_down_kernel", "align_kernel", "split_attend", "merge"}  # fmt: skip
+    assert expected <= names, expected - names
+    assert len(names) >= 15
+
+
 def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:
     """A loop-carried value whose type changes in the loop: the interpreter
     runs it, the compiler refuses it; so must this check."""

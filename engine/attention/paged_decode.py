@@ -58,6 +58,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.layers import pdl
+
 E4M3 = torch.float8_e4m3fn
 MAX_SPLITS = 32
 """Splits of one request's pages at batch 1 (a power of two); the merge
@@ -130,6 +132,8 @@ def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     # The split count is an argument, not a constant: one binary serves every
     # batch size's plan.
     @triton.jit(do_not_specialize=["stride_qb", "stride_ob", "splits", "partials"])
@@ -140,7 +144,9 @@ def _kernels() -> tuple[Any, Any]:
                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                      PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, CHUNK_PAGES: tl.constexpr,
                      MAX_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr,
-                     EARLY_V: tl.constexpr):  # fmt: skip
+                     EARLY_V: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -208,7 +214,9 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit(do_not_specialize=["stride_ob", "splits", "partials"])
     def merge(indptr, part_o, part_lse, out, stride_ob, stride_oh, v_scale, H, splits, partials,
               D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_PAGES: tl.constexpr,
-              CHUNK_PAGES: tl.constexpr):  # fmt: skip
+              CHUNK_PAGES: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         b = tl.program_id(0)
         hq = tl.program_id(1)
         n_pages = tl.load(indptr + b + 1) - tl.load(indptr + b)
@@ -347,6 +355,7 @@ def paged_decode(
         CHUNK_PAGES=decode_plan.chunk_pages, MAX_CHUNKS=MAX_SPLITS, COMPUTE=compute,
         EARLY_V=decode_plan.early_v,
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
+        **pdl.launch_options(q.device),
     )  # fmt: skip
     if partials:
         merge[(batch, num_heads)](
@@ -354,7 +363,7 @@ def paged_decode(
             splits, partials, D=head_dim, S_PAD=MAX_SPLITS,
             # The tile matters to the chunks only: one merge binary for even ones.
             BLOCK_PAGES=decode_plan.block_pages if decode_plan.chunk_pages else 1,
-            CHUNK_PAGES=decode_plan.chunk_pages, num_warps=4,
+            CHUNK_PAGES=decode_plan.chunk_pages, num_warps=4, **pdl.launch_options(q.device),
         )  # fmt: skip
     return out
 

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from engine.layers import pdl
+
 if TYPE_CHECKING:
     from engine.kvcache.pool import KVPool
 
@@ -80,6 +82,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     # Not specialized: the token count and the index tensors (views at any
     # offset of one copied buffer) change from forward to forward, and a
     # specialization on their value or alignment would compile the kernel
@@ -129,7 +133,10 @@ def _kernel() -> Any:
         HAS_NORM: tl.constexpr,
         TO_FP8: tl.constexpr,
         FP8_LIMIT: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         HALF: tl.constexpr = HEAD_DIM // 2
         pid = tl.program_id(0)
         q_programs = tl.cdiv(n_tokens * num_heads, ROWS)
@@ -253,6 +260,7 @@ def rope_kv_write(
         HEAD_DIM=d, ROWS=rows, HAS_NORM=pre.q_norm is not None,
         TO_FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_LIMIT=FP8_MAX,
         num_warps=4 if rows == ROWS_LARGE else 1,
+        **pdl.launch_options(q.device),
     )  # fmt: skip
 
 

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.layers import pdl
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
 SCALE_FLOOR = 1e-12
@@ -47,6 +49,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     @triton.jit
     def quantize_rows_kernel(
         x,
@@ -58,7 +62,10 @@ def _kernel() -> Any:
         FP8_MAX: tl.constexpr,
         FLOOR: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         row = tl.program_id(0).to(tl.int64)
         kk = tl.arange(0, BLOCK_K)
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -81,11 +88,15 @@ def _fused_kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     # Both end as quantize_rows_kernel does, on a row held whole.
     @triton.jit
     def norm_quantize_kernel(x, residual, weight, q, scale, K, stride_x, stride_r, stride_q, eps,
                              HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr,
-                             FLOOR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                             FLOOR: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         row = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BLOCK)
         live = k < K
@@ -106,7 +117,9 @@ def _fused_kernels() -> tuple[Any, Any]:
     @triton.jit
     def silu_mul_quantize_kernel(gate_up, q, scale, N, stride_g, stride_q,
                                  FP8_MAX: tl.constexpr, FLOOR: tl.constexpr,
-                                 BLOCK: tl.constexpr):  # fmt: skip
+                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         row = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BLOCK)
         live = k < N
@@ -142,7 +155,7 @@ def norm_quantize(
         _fused_kernels()[0][(m,)](
             x, res, weight, q, scale, k, x.stride(0), res.stride(0), q.stride(0), eps,
             HAS_RESIDUAL=residual is not None, FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR,
-            **_row_launch(k),
+            **_row_launch(k), **pdl.launch_options(x.device),
         )  # fmt: skip
     return Quantized(q, scale, x.dtype), res
 
@@ -157,6 +170,7 @@ def silu_mul_quantize(gate_up: torch.Tensor) -> Quantized:
         _fused_kernels()[1][(m,)](
             gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
             FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR, **_row_launch(n),
+            **pdl.launch_options(gate_up.device),
         )  # fmt: skip
     return Quantized(q, scale, gate_up.dtype)
 
@@ -171,6 +185,6 @@ def quantize_rows(x: torch.Tensor, block_k: int = 1024) -> tuple[torch.Tensor, t
         _kernel()[(m,)](
             x, q, scale, k, x.stride(0), q.stride(0),
             FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR, BLOCK_K=min(block_k, 1 << (k - 1).bit_length()),
-            num_warps=4,
+            num_warps=4, **pdl.launch_options(x.device),
         )  # fmt: skip
     return q, scale

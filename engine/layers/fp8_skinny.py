@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.layers import pdl
 from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Quantized
 from engine.layers.skinny import MAX_ROW_TILES, PARTIAL_BYTES, scratch_of
 
@@ -94,12 +95,16 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     @triton.jit
     def fp8_skinny(x, x_scale, w, w_scale, bias, out, part, count, M, N, stride_x,
                    K: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL_SCALE: tl.constexpr,
-                   PRE_QUANTIZED: tl.constexpr):  # fmt: skip
+                   PRE_QUANTIZED: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,6 +208,6 @@ def run(
         rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR, HAS_BIAS=bias is not None,
         BLOCK_M=rows_tile, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
         UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre,
-        num_warps=t.warps, num_stages=t.stages,
+        num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(rows.device),
     )  # fmt: skip
     return out

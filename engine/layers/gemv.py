@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn import functional as F
 
-from engine.layers import skinny
+from engine.layers import pdl, skinny
 
 
 class Tiles(NamedTuple):
@@ -57,8 +57,12 @@ def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     @triton.jit
-    def gemv(x_ptr, w_ptr, b_ptr, out_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    def gemv(x_ptr, w_ptr, b_ptr, out_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -72,7 +76,17 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def silu_gemv(gu_ptr, w_ptr, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def silu_gemv(
+        gu_ptr,
+        w_ptr,
+        out_ptr,
+        K,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -122,7 +136,7 @@ def run_gemv(
     gemv[(n // t.block_n,)](
         x, weight, weight if bias is None else bias, out, x.shape[1],
         HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.warps, num_stages=t.stages,
+        num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(x.device),
     )  # fmt: skip
     return out
 
@@ -144,6 +158,6 @@ def run_silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, t: Tiles) -> torc
     _, silu_gemv = _kernels()
     silu_gemv[(n // t.block_n,)](
         gate_up, weight, out, gate_up.shape[1] // 2, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.warps, num_stages=t.stages,
+        num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(gate_up.device),
     )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.layers import pdl
 from engine.layers.skinny import PARTIAL_BYTES, block_m, scratch_of
 
 MAX_TOKENS = 64
@@ -75,12 +76,16 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     @triton.jit(do_not_specialize=["m"])
     def router_kernel(x, w, part, count, weights, ids, m, stride_x,
                       HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
                       TOP_K: tl.constexpr, K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr):  # fmt: skip
+                      SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         pid_e = tl.program_id(0)
         pid_k = tl.program_id(1)
         e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -165,7 +170,7 @@ def run(
         x, w, parts, counts, weights, ids, m, x.stride(0),
         HIDDEN=hidden, EXPERTS=experts, E_POW2=padded(experts, t), TOP_K=top_k, K_POW2=_pow2(top_k),
         RENORMALIZE=renormalize, BLOCK_M=block_m(m), BLOCK_E=t.block_e,
-        BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.warps,
+        BLOCK_K=t.block_k, SPLIT_K=t.split_k, num_warps=t.warps, **pdl.launch_options(x.device),
     )  # fmt: skip
     return weights, ids
 

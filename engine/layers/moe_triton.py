@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.layers import pdl
+
 SMALL_PAIRS = 32
 """Up to this many (token, expert) pairs take the matrix-vector path."""
 COMBINE_BLOCK = 1024
@@ -94,6 +96,8 @@ def _kernels() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     @triton.jit(do_not_specialize=["n"])
     def route_kernel(
         logits,
@@ -107,7 +111,10 @@ def _kernels() -> dict[str, Any]:
         RENORMALIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         e = tl.arange(0, BLOCK_E)
         kk = tl.arange(0, K_POW2)
@@ -149,7 +156,10 @@ def _kernels() -> dict[str, Any]:
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         # Program (pair, row block): the gate and up rows of the block, summed
         # over k in a 2-D accumulator reduced once (no reduction per tile). The
         # k loop is unrolled (the model's sizes are constants), so every tile's
@@ -191,7 +201,10 @@ def _kernels() -> dict[str, Any]:
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         # Program (token, row block): the token's top_k experts' rows, each
         # weighted by the router, in one 2-D accumulator. Both loops are
         # unrolled, so the loads of every expert and k tile are in flight
@@ -223,7 +236,10 @@ def _kernels() -> dict[str, Any]:
         BLOCK_M: tl.constexpr,
         BINS: tl.constexpr,
         CHUNK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         # Program e: where expert e's segment starts (the padded sizes of the
         # experts before it, from a histogram of all pairs), then its pairs in
         # their original order, the padding, and the expert of its blocks;
@@ -276,7 +292,10 @@ def _kernels() -> dict[str, Any]:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         pid_m = tl.program_id(0)
         e = tl.load(block_expert + pid_m).to(tl.int64)
         if e < 0:
@@ -330,7 +349,10 @@ def _kernels() -> dict[str, Any]:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         pid_m = tl.program_id(0)
         e = tl.load(block_expert + pid_m).to(tl.int64)
         if e < 0:
@@ -360,7 +382,9 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit(do_not_specialize=["n"])
     def combine_kernel(per_pair, out, n, hidden, stride_p, stride_o,
-                       TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                       TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         # Token t's output: its top_k pair rows (t * top_k + j) summed in
         # float32, in the order of j.
         t = tl.program_id(0).to(tl.int64)
@@ -421,6 +445,7 @@ def route(
         BLOCK_T=t.block_t,
         BLOCK_E=_pow2(experts),
         num_warps=t.warps,
+        **pdl.launch_options(logits.device),
     )
     return weights, ids
 
@@ -450,6 +475,7 @@ def align(ids: torch.Tensor, experts: int, block_m: int, chunk: int = 256) -> Al
         BLOCK_M=block_m,
         BINS=_pow2(experts + 1),
         CHUNK=chunk,
+        **pdl.launch_options(ids.device),
     )
     return Alignment(sorted_pairs, block_expert)
 
@@ -495,6 +521,7 @@ def fused_experts(
             BLOCK_N=g.up_n,
             BLOCK_K=up_k,
             num_warps=g.up_warps,
+            **pdl.launch_options(x.device),
         )
         k["gemv_down"][(n, triton_cdiv(hidden, g.down_n))](
             act,
@@ -512,6 +539,7 @@ def fused_experts(
             BLOCK_N=g.down_n,
             BLOCK_K=down_k,
             num_warps=g.down_warps,
+            **pdl.launch_options(x.device),
         )
         return out
     t = tiles or gemm_tiles(pairs, experts)
@@ -537,6 +565,7 @@ def fused_experts(
         IEEE=x.dtype == torch.float32,
         num_warps=t.warps,
         num_stages=t.stages,
+        **pdl.launch_options(x.device),
     )
     per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     k["grouped_down"][(blocks, triton_cdiv(hidden, t.block_n))](
@@ -559,10 +588,19 @@ def fused_experts(
         IEEE=x.dtype == torch.float32,
         num_warps=t.warps,
         num_stages=t.stages,
+        **pdl.launch_options(x.device),
     )
     block_h = min(COMBINE_BLOCK, _pow2(hidden))
     k["combine"][(n, triton_cdiv(hidden, block_h))](
-        per_pair, out, n, hidden, per_pair.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h
+        per_pair,
+        out,
+        n,
+        hidden,
+        per_pair.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+        **pdl.launch_options(x.device),
     )
     return out
 

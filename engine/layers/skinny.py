@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.layers import pdl
+
 MAX_ROWS = 64
 PARTIAL_BYTES = 16 << 20
 """Float32 scratch of the split partials, per device; shapes whose partials would
@@ -87,10 +89,14 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    prologue = pdl.prologue()
+
     @triton.jit
     def skinny(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,6 +175,6 @@ def run_skinny(
     _kernel()[(n // t.block_n, t.split_k)](
         x, weight, weight if bias is None else bias, out, parts, counts, m, n, k, x.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        SPLIT_K=t.split_k, num_warps=t.warps, num_stages=t.stages,
+        SPLIT_K=t.split_k, num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(x.device),
     )  # fmt: skip
     return out
