@@ -33,7 +33,8 @@ def test_piece_graphs_equal_eager(case: str) -> None:
     capture); and the model's own forward at the batch's real size, where the
     products may take other kernels (bf16: within 2%; FP8, whose rounding
     steps amplify a changed summation order: within 5%, as its logits alone
-    and in a batch are)."""
+    and in a batch are), the greedy tokens of steps of 16 rows or more
+    agreeing on 90% of them."""
     arch, settings = CASES[case]
     runners = [
         small_runner(0, arch, cuda_graph_max_tokens=0, **settings),
@@ -55,8 +56,9 @@ def test_piece_graphs_equal_eager(case: str) -> None:
         assert _rel(got, same) < 1e-3, f"step {i}: replay against the eager pieces"
         rel = _rel(got, ref)
         assert rel < (5e-2 if settings else 2e-2), f"step {i}: {rel:.2e} from the forward"
-        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        assert agree > 0.9, f"step {i}: argmax agrees on {agree:.0%}"
+        if got.shape[0] >= 16:  # a share of a handful of rows says little
+            agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            assert agree > 0.9, f"step {i}: argmax agrees on {agree:.0%}"
     for r, pages, n in zip(runners, taken, free):
         r.pool.allocator.free(pages)
         assert r.pool.allocator.num_free == n

@@ -28,7 +28,7 @@ try:
 except ImportError as e:  # Triton's internals moved: say so, do not fail the suite
     pytest.skip(f"triton {triton.__version__}: {e}", allow_module_level=True)
 
-from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_router, moe_triton, skinny  # noqa: E402
+from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_triton, skinny  # noqa: E402
 from engine.layers.fp8_quant import Quantized  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -188,17 +188,15 @@ def test_fp8_quantization_fused_into_norm_and_silu(
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b"])
 def test_mixture_of_experts_every_kernel_choice(preset: str, launches: list[Launch]) -> None:
-    """What ``moe_triton.warm_up`` and ``moe_router.warm_up`` compile when a CUDA runner starts:
+    """What ``moe_triton.warm_up`` compiles when a CUDA runner starts:
     every kernel choice up to 8192 tokens at each MoE preset's shapes."""
     c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
     assert c.moe is not None
     e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
     ran = moe_triton.warm_up(_empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 8192)
     assert len(ran) >= 2  # the matrix-vector path and the grouped one at least
-    assert moe_router.warm_up(_empty(e, h), c.moe.top_k, True, 8192) == [1, 17, 33]
     names = {k.fn.__name__ for k, _, _ in launches}
-    expected = {"route_kernel", "gemv_gate_up_kernel", "grouped_down_kernel", "align_kernel"}
-    assert expected | {"router_kernel"} <= names
+    assert {"route_kernel", "gemv_gate_up_kernel", "grouped_down_kernel", "align_kernel"} <= names
     compile_all(launches, len(launches))
 
 
@@ -371,7 +369,6 @@ def test_every_decode_kernel_with_programmatic_dependent_launch(
     c = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16)
     assert c.moe is not None
     e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
-    moe_router.warm_up(_empty(e, h), c.moe.top_k, True, 1)
     moe_triton.warm_up(_empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 5)
     d = c.head_dim
     pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=torch.bfloat16))
@@ -397,7 +394,7 @@ def test_every_decode_kernel_with_programmatic_dependent_launch(
         # Nothing is read before the wait.
         assert body.index("griddepcontrol.wait") < body.find("ld.global") % len(body), name
         names.add(name)
-    expected = {"gemv", "silu_gemv", "skinny", "fp8_skinny", "router_kernel", "route_kernel",
+    expected = {"gemv", "silu_gemv", "skinny", "fp8_skinny", "route_kernel",
                 "gemv_gate_up_kernel", "gemv_down_kernel", "align_kernel", "split_attend", "merge"}  # fmt: skip
     assert expected <= names, expected - names
     assert len(names) >= 15

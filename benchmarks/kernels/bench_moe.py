@@ -12,9 +12,7 @@ of the experts the tokens touch at the memory's rate, and the FLOPs at the
 tensor cores' dense bf16 rate; the larger is the floor. ``--sweep`` also times
 both paths (matrix-vector, grouped GEMM) and a grid of GEMM tiles for each
 count. Each configuration's output is checked against the torch reference.
-The whole router (its product and the routing) is timed too, as two kernels
-and, where it takes the tokens, as ``engine.layers.moe_router``'s one
-(``router`` in the record). Writes a JSON record to ``--output-file``.
+Writes a JSON record to ``--output-file``.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ import torch
 
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_gemv import graph_us
-from engine.layers import moe, moe_router, moe_triton
-from engine.layers.gemv import linear
+from engine.layers import moe, moe_triton
 from engine.model_config import ModelConfig
 
 HBM_BYTES_PER_S = 4.8e12
@@ -117,21 +114,6 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
         calls = [lambda: moe_triton.route(logits, k, mc.moe.norm_topk_prob, tiles)] * ROUTE_CALLS
         return graph_us(calls, args.reps)
 
-    def router_us() -> dict[str, float]:
-        """The whole router (product and routing): the two kernels, and the
-        one of ``moe_router`` where it takes ``n`` tokens."""
-        renorm = mc.moe.norm_topk_prob
-        # Enough routers that L2 holds none of them when it comes round again.
-        copies = max(ROUTE_CALLS, int(3 * L2_BYTES // (e * hidden * 2)) + 1)
-        ws = [torch.randn(e, hidden, device=dev, dtype=bf16) * 0.02 for _ in range(copies)]
-        two = [lambda w=w: moe_triton.route(linear(x, w), k, renorm) for w in ws]
-        out = {"two_kernels_us": graph_us(two, args.reps)}
-        t = moe_router.fits(x, ws[0])
-        if t is not None:
-            one = [lambda w=w: moe_router.run(x, w, k, renorm, t) for w in ws]
-            out["one_kernel_us"] = graph_us(one, args.reps)
-        return out
-
     row: dict[str, Any] = {
         "tokens": n,
         "experts_touched": used,
@@ -139,7 +121,6 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
         "flops": flops,
         "floor_us": floor_us,
         "route_us": route_us(None),
-        "router": router_us(),
         "default": time_config(moe_triton.SMALL_PAIRS, None),
     }
     row["default"]["of_floor"] = floor_us / row["default"]["us"]
@@ -162,11 +143,6 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
             row["sweep_best"] = min(ok, key=lambda s: s["us"])
         row["route_sweep"] = [{**t._asdict(), "us": route_us(t)} for t in SWEEP_ROUTE]
     return row
-
-
-def _pair(router: dict[str, float]) -> str:
-    one = router.get("one_kernel_us")
-    return f"{router['two_kernels_us']:.1f}/" + ("-" if one is None else f"{one:.1f}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,14 +175,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.model} is not a mixture-of-experts model")
     rows = [bench_tokens(n, args, mc) for n in args.tokens]
     print(
-        f"{'tokens':>7} {'experts':>8} {'route us':>9} {'router 2k/1k us':>16} {'experts us':>11} "
-        f"{'floor us':>9} {'of floor':>9} {'rel err':>8}"
+        f"{'tokens':>7} {'experts':>8} {'route us':>9} {'experts us':>11} {'floor us':>9} "
+        f"{'of floor':>9} {'rel err':>8}"
     )
     for r in rows:
         d = r["default"]
         print(
-            f"{r['tokens']:>7} {r['experts_touched']:>8} {r['route_us']:>9.1f} "
-            f"{_pair(r['router']):>16} {d['us']:>11.1f} "
+            f"{r['tokens']:>7} {r['experts_touched']:>8} {r['route_us']:>9.1f} {d['us']:>11.1f} "
             f"{r['floor_us']:>9.1f} {d['of_floor']:>9.2f} {d['rel_err']:>8.1e}"
             + (
                 f"  best {r['sweep_best']['us']:.1f} us "

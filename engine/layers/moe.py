@@ -15,8 +15,7 @@ outputs are summed, as the dense MLP's are; the router is replicated.
 ``route`` and ``experts_reference`` are the torch definitions (any device,
 data-dependent loops: not for CUDA graphs). On CUDA the experts run in
 ``engine.layers.moe_triton``'s fused kernels, which read only the chosen
-experts' weights and keep every shape static; decode-sized batches route in
-``engine.layers.moe_router``'s one kernel (product, softmax, top-k).
+experts' weights and keep every shape static.
 """
 
 from __future__ import annotations
@@ -133,26 +132,21 @@ class SparseMoE(nn.Module):
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, renormalize = self.moe.top_k, self.moe.norm_topk_prob
+        logits = linear(x, self.gate.weight)
         if use_fused(x):
-            from engine.layers import moe_router, moe_triton
+            from engine.layers import moe_triton
 
-            t = moe_router.fits(x, self.gate.weight)
-            if t is not None:  # decode-sized batches: one kernel
-                return moe_router.run(x, self.gate.weight, k, renormalize, t)
-            return moe_triton.route(linear(x, self.gate.weight), k, renormalize)
-        return route(linear(x, self.gate.weight), k, renormalize)
+            return moe_triton.route(logits, self.moe.top_k, self.moe.norm_topk_prob)
+        return route(logits, self.moe.top_k, self.moe.norm_topk_prob)
 
     def warm_up(self, max_tokens: int) -> None:
         """Compile the fused kernels for every shape class of up to
         ``max_tokens`` tokens (CUDA; nothing elsewhere)."""
         if use_fused(self.gate.weight):
-            from engine.layers import moe_router, moe_triton
+            from engine.layers import moe_triton
 
             w13, w2 = self.experts.w13, self.experts.w2
-            k, renormalize = self.moe.top_k, self.moe.norm_topk_prob
-            moe_router.warm_up(self.gate.weight, k, renormalize, max_tokens)
-            moe_triton.warm_up(w13, w2, k, renormalize, max_tokens)
+            moe_triton.warm_up(w13, w2, self.moe.top_k, self.moe.norm_topk_prob, max_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
