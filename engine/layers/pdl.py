@@ -13,8 +13,9 @@ that start is a visible part of every kernel. CUDA graphs keep the
 dependency as captured.
 
 Kernels take it as a ``PDL`` constexpr (``prologue`` first where set) and
-their launches take ``launch_options(device)``; on other devices, under
-Triton's interpreter, or with a Triton that cannot launch so, it is off.
+their launches take ``launch_options(device)``; on other devices (ROCm's
+included), under Triton's interpreter, or with a Triton that cannot launch
+so, it is off.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def _capability(index: int) -> tuple[int, int]:
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use it."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.version.cuda is None:  # ROCm's "cuda" devices: no such launch
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= (9, 0) and _triton_launches_it()

@@ -1,0 +1,38 @@
+"""Where programmatic dependent launch is on (``engine.layers.pdl``): never
+on the CPU, under Triton's interpreter, or on ROCm; and the launch options
+kernels take either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import pdl
+
+
+def test_off_on_the_cpu_and_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(pdl, "_triton_launches_it", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert pdl.enabled(torch.device("cuda", 0))
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(torch.device("cuda", 0))
+
+
+def test_off_before_compute_capability_9_and_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "_triton_launches_it", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(pdl, "_capability", lambda index: (8, 0))
+    assert not pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 4))
+    assert pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert not pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(pdl, "_triton_launches_it", lambda: False)
+    assert not pdl.enabled(torch.device("cuda", 0))
