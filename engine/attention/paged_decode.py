@@ -344,6 +344,7 @@ def paged_decode(
     parts = scratch or Scratch(out, out)
     compute = _compute_dtype(q.dtype, k_cache.dtype)
     split_attend, merge = _kernels()
+    launch = pdl.launch_options(q.device)
     log2e = 1.4426950408889634
     split_attend[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, indptr, indices, last_page_len, out, parts.o, parts.lse,
@@ -355,7 +356,7 @@ def paged_decode(
         CHUNK_PAGES=decode_plan.chunk_pages, MAX_CHUNKS=MAX_SPLITS, COMPUTE=compute,
         EARLY_V=decode_plan.early_v,
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
-        **pdl.launch_options(q.device),
+        **launch,
     )  # fmt: skip
     if partials:
         merge[(batch, num_heads)](
@@ -363,7 +364,7 @@ def paged_decode(
             splits, partials, D=head_dim, S_PAD=MAX_SPLITS,
             # The tile matters to the chunks only: one merge binary for even ones.
             BLOCK_PAGES=decode_plan.block_pages if decode_plan.chunk_pages else 1,
-            CHUNK_PAGES=decode_plan.chunk_pages, num_warps=4, **pdl.launch_options(q.device),
+            CHUNK_PAGES=decode_plan.chunk_pages, num_warps=4, **launch,
         )  # fmt: skip
     return out
 

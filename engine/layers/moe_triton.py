@@ -18,8 +18,9 @@ Experts, two paths chosen by the number of (token, expert) pairs:
 - **Many pairs** (prefill, large batches): the pairs are grouped by expert
   into segments padded to the GEMM's row block (``align``: one kernel, every
   program counts all experts with a histogram and places its own expert's
-  pairs, and marks its share of the blocks past the last segment), then two grouped GEMMs run over the blocks: ``gate_up`` with SiLU-
-  and-mul in its epilogue, ``down`` with the router weight in its epilogue;
+  pairs, and marks its share of the blocks past the last segment), then two
+  grouped GEMMs run over the blocks: ``gate_up`` with SiLU-and-mul in its
+  epilogue, ``down`` with the router weight in its epilogue;
   a token's ``top_k`` rows (adjacent: pair ``t * top_k + j``) are summed
   last, in float32, by one kernel. Each expert's weights are read once per
   row block of its segment; blocks past the last segment exit.
@@ -502,6 +503,7 @@ def fused_experts(
     if n == 0:
         return out
     k = _kernels()
+    launch = pdl.launch_options(x.device)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     if pairs <= small_pairs:
         g = gemv
@@ -521,7 +523,7 @@ def fused_experts(
             BLOCK_N=g.up_n,
             BLOCK_K=up_k,
             num_warps=g.up_warps,
-            **pdl.launch_options(x.device),
+            **launch,
         )
         k["gemv_down"][(n, triton_cdiv(hidden, g.down_n))](
             act,
@@ -539,7 +541,7 @@ def fused_experts(
             BLOCK_N=g.down_n,
             BLOCK_K=down_k,
             num_warps=g.down_warps,
-            **pdl.launch_options(x.device),
+            **launch,
         )
         return out
     t = tiles or gemm_tiles(pairs, experts)
@@ -565,7 +567,7 @@ def fused_experts(
         IEEE=x.dtype == torch.float32,
         num_warps=t.warps,
         num_stages=t.stages,
-        **pdl.launch_options(x.device),
+        **launch,
     )
     per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     k["grouped_down"][(blocks, triton_cdiv(hidden, t.block_n))](
@@ -588,7 +590,7 @@ def fused_experts(
         IEEE=x.dtype == torch.float32,
         num_warps=t.warps,
         num_stages=t.stages,
-        **pdl.launch_options(x.device),
+        **launch,
     )
     block_h = min(COMBINE_BLOCK, _pow2(hidden))
     k["combine"][(n, triton_cdiv(hidden, block_h))](
@@ -600,7 +602,7 @@ def fused_experts(
         out.stride(0),
         TOP_K=top_k,
         BLOCK_H=block_h,
-        **pdl.launch_options(x.device),
+        **launch,
     )
     return out
 
