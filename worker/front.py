@@ -292,7 +292,11 @@ class FrontState:
     failure: str | None = None
     """Why the worker stopped, when it did not stop on request."""
     draining: bool = False
-    """Stopping after the in-flight requests: /health answers 503."""
+    """A drain has begun (a second signal then stops at once)."""
+    refusing: bool = False
+    """The engine has acknowledged the drain and refuses new requests: only
+    from then on does /health answer 503, so a client that sees 503 and then
+    sends is refused, never served."""
 
 
 def build_app(state: FrontState) -> FastAPI:
@@ -308,7 +312,7 @@ def build_app(state: FrontState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Any:
-        if state.draining:
+        if state.refusing:
             return JSONResponse({"status": HealthStatus.DRAINING}, status_code=503)
         try:
             await state.engine.ask(CtrlOp.PING)
@@ -397,6 +401,7 @@ async def _drain(state: FrontState, server: uvicorn.Server) -> None:
     t0 = time.monotonic()
     try:
         reply = await state.engine.ask(CtrlOp.DRAIN)
+        state.refusing = True
         log.info(
             "draining: no new requests; %d in flight may finish within %gs, then the rest "
             "are aborted",
