@@ -118,6 +118,15 @@ def test_matches_float64_and_flashinfer(
         other = torch.empty_like(out)
         pd.paged_decode(q, k_cache, v_cache, *index, other, sm_scale, pd.DecodePlan(splits))
         _close(other, ref, f"{splits} splits")
+    if e4m3:
+        # V widened to fp16 in registers before the tensor cores, and not:
+        # the plan's tiles either way (8 warps at 8-page tiles when widened).
+        assert pd.widens(q.device)
+        for widen in (True, False):
+            other = torch.empty_like(out)
+            wplan = pd.plan(batch, kv_heads, e4m3=True, widen_v=widen)
+            pd.paged_decode(q, k_cache, v_cache, *index, other, sm_scale, wplan)
+            _close(other, ref, f"{wplan}")
 
     import flashinfer
 

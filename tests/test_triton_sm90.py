@@ -12,8 +12,12 @@ bundled ptxas). Identical compiles are made once."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +26,7 @@ triton = pytest.importorskip("triton")
 pytest.importorskip("triton.compiler")
 
 try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from harness import sm90
 except ImportError as e:  # Triton's internals moved: say so, do not fail the suite
     pytest.skip(f"triton {triton.__version__}: {e}", allow_module_level=True)
 
@@ -33,28 +35,18 @@ from engine.layers.fp8_quant import Quantized  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(JITFunction, "_pack_args"),
-    reason=f"triton {triton.__version__}: JITFunction._pack_args, which this check uses, is gone",
-)
+pytestmark = pytest.mark.skipif(sm90.supported() is not None, reason=str(sm90.supported()))
 
-SM90 = GPUTarget("cuda", 90, 32)
-SM90_SHARED_BYTES = 232448
-"""Shared memory one block may opt into on sm_90 (227 KiB)."""
-
-Launch = tuple[JITFunction, tuple, dict]
+SM90_SHARED_BYTES = sm90.SHARED_BYTES
+Launch = sm90.Launch
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Launch]]:
+def launches() -> Iterator[list[Launch]]:
     """Kernel launches caught instead of run, in order."""
-    caught: list[Launch] = []
-
-    def catch(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        caught.append((self, args, kwargs))
-
-    monkeypatch.setattr(JITFunction, "run", catch)
-    yield caught
+    with sm90.caught_launches() as caught:
+        yield caught
 
 
 _compiled: dict[tuple, int] = {}
@@ -78,25 +70,8 @@ def ptx_sm90(launch: Launch) -> str:
     return _compile(launch).asm["ptx"]
 
 
-def _compile(launch: Launch) -> Any:
-    kernel = launch[0]
-    _, signature, constexprs, attrs, options = _specialized(launch)
-    src = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=SM90, options=options.__dict__)
-
-
-def _specialized(launch: Launch) -> tuple[tuple, Any, Any, Any, Any]:
-    """``(key, signature, constexprs, attrs, options)`` of the compile Triton
-    makes for this call on sm_90; two launches with one key share a binary."""
-    kernel, args, kwargs = launch
-    backend = make_backend(SM90)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(
-        backend, kwargs, bound, specialization, options
-    )
-    key = (kernel.fn.__qualname__, repr(signature), repr(constexprs), repr(attrs), repr(options))
-    return key, signature, constexprs, attrs, options
+_compile = sm90.compile_launch
+_specialized = sm90.specialized
 
 
 def compile_all(launches: list[Launch], expect: int) -> None:
@@ -337,6 +312,50 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
     assert len({_specialized(launch)[0] for launch in launches}) == 7
 
 
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
+def test_decode_attention_widens_e4m3_v_before_the_tensor_cores(
+    preset: str, monkeypatch: pytest.MonkeyPatch, launches: list[Launch]
+) -> None:
+    """``DecodePlan.widen_v`` over e4m3 pages, as on an H200 (``widens``), at
+    the split tiles (batch 1) and the whole-request ones (batch 256): the
+    conversion instruction is there, and V reaches the tensor cores through
+    16-bit transposing matrix loads, not one byte a load. Without it the
+    byte loads are there (what the option exists to remove)."""
+    from engine.attention import paged_decode as pd
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+
+    monkeypatch.setattr(pd, "widens", lambda device: True)
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    d = c.head_dim
+    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=fp8.E4M3))
+    plans = []
+    for batch in (1, 256):
+        q = _empty(batch, c.num_heads + 2 * c.num_kv_heads, d)[:, : c.num_heads]
+        out = _empty(batch, c.num_heads, d)
+        ints = torch.zeros(batch + 1, dtype=torch.int32)
+        for widen in (True, False):
+            plan = pd.plan(batch, c.num_kv_heads, e4m3=True, widen_v=widen)
+            assert plan.widen_v is widen
+            plans.append(plan)
+            pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch], out,
+                            d**-0.5, plan)  # fmt: skip
+    attends = [launch for launch in launches if launch[0].fn.__name__ == "split_attend"]
+    assert len(attends) == 4
+    for plan, launch in zip(plans, attends, strict=True):
+        assert launch[2]["WIDEN_V"] is plan.widen_v
+        assert compile_sm90(launch) <= SM90_SHARED_BYTES
+        body = ptx_sm90(launch)
+        byte_loads = re.findall(r"ld\.shared(?:\.v\d)?\.(?:b8|u8|s8)\b", body)
+        if plan.widen_v:
+            assert "cvt.rn.f16x2.e4m3x2" in body and "ldmatrix.sync.aligned" in body
+            assert ".trans" in body and not byte_loads, (plan, len(byte_loads))
+        else:
+            assert byte_loads, plan
+    # On a device without the instruction, or on the CPU, the option is dropped.
+    monkeypatch.undo()
+    assert not pd.widens(torch.device("cpu"))
+
+
 def test_every_decode_kernel_with_programmatic_dependent_launch(
     monkeypatch: pytest.MonkeyPatch, launches: list[Launch]
 ) -> None:
@@ -439,3 +458,23 @@ def test_the_check_fails_a_kernel_over_the_shared_memory(launches: list[Launch])
     wide[(1,)](x, x, x, BM=256, BN=256, BK=128, num_stages=4)
     with pytest.raises(AssertionError, match="wide"):
         compile_all(launches, 1)
+
+
+def test_kernel_sass_reads_the_decode_kernels_loop(tmp_path: Path) -> None:
+    """``benchmarks.kernels.kernel_sass`` (run as a tool): the main loop of
+    the batch-256 decode attention over e4m3 pages, from the binary. Widening
+    V first removes the byte loads from shared memory and shortens the loop a
+    token; both plans hold the GPU's tensor-core instructions in that loop."""
+    out = tmp_path / "sass.json"
+    cmd = [sys.executable, "-m", "benchmarks.kernels.kernel_sass", "--batch-sizes", "256",
+           "--variants", "triton-plan", "triton-plan-wv", "--output-file", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    plain, widened = rows["triton-plan"], rows["triton-plan-wv"]
+    assert plain["plan"]["widen_v"] is False and widened["plan"]["widen_v"] is True
+    for r in (plain, widened):
+        assert r["loop"].get("HMMA.16816.F32", 0) > 0 and r["registers"] <= 255
+    assert plain["loop"].get("LDS.U8", 0) > 0
+    assert widened["loop"].get("LDS.U8", 0) == 0
+    assert widened["instructions_per_token"] < plain["instructions_per_token"]

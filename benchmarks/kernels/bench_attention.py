@@ -43,26 +43,33 @@ import torch
 from benchmarks.common import machine, write_record
 
 TRITON_TILES = {
-    "triton": (4, 4, 2, 0, False),
-    "triton-b2": (2, 4, 2, 0, False),
-    "triton-b8": (8, 8, 2, 0, False),
-    "triton-b8-w4": (8, 4, 2, 0, False),
-    "triton-b8-s3": (8, 8, 3, 0, False),
-    "triton-b16": (16, 8, 2, 0, False),
-    "triton-s3": (4, 4, 3, 0, False),
-    "triton-s4": (4, 4, 4, 0, False),
-    "triton-ev": (4, 4, 2, 0, True),
-    "triton-ev-s3": (4, 4, 3, 0, True),
-    "triton-ev-b8": (8, 8, 2, 0, True),
-    "triton-ev-b8-w4": (8, 4, 2, 0, True),
-    "triton-c8": (4, 4, 2, 8, False),
-    "triton-c16": (4, 4, 2, 16, False),
-    "triton-c32": (4, 4, 2, 32, False),
+    "triton": (4, 4, 2, 0, False, False),
+    "triton-b2": (2, 4, 2, 0, False, False),
+    "triton-b8": (8, 8, 2, 0, False, False),
+    "triton-b8-w4": (8, 4, 2, 0, False, False),
+    "triton-b8-s3": (8, 8, 3, 0, False, False),
+    "triton-b16": (16, 8, 2, 0, False, False),
+    "triton-s3": (4, 4, 3, 0, False, False),
+    "triton-s4": (4, 4, 4, 0, False, False),
+    "triton-ev": (4, 4, 2, 0, True, False),
+    "triton-ev-s3": (4, 4, 3, 0, True, False),
+    "triton-ev-b8": (8, 8, 2, 0, True, False),
+    "triton-ev-b8-w4": (8, 4, 2, 0, True, False),
+    "triton-c8": (4, 4, 2, 8, False, False),
+    "triton-c16": (4, 4, 2, 16, False, False),
+    "triton-c32": (4, 4, 2, 32, False, False),
+    "triton-wv": (4, 4, 2, 0, True, True),
+    "triton-wv-b8": (8, 8, 2, 0, True, True),
+    "triton-wv-b8-w4": (8, 4, 2, 0, True, True),
 }
 """Triton variant -> (pages per K/V tile, warps, stages, chunk pages: 0 for
 chunks by the batch's split, N for batch-invariant chunks of N pages or more;
-V loaded before the scores)."""
-KERNELS = ("cuda-core", "fa2", "fa3", *TRITON_TILES)
+V loaded before the scores; V widened to fp16 before the tensor cores over e4m3
+pages: ``DecodePlan.widen_v``). ``triton-plan`` and ``triton-plan-wv``: the
+engine's own plan for the batch (``paged_decode.plan``), with V widened or not."""
+PLANNED = {"triton-plan": False, "triton-plan-wv": True}
+TRITON = (*TRITON_TILES, *PLANNED)
+KERNELS = ("cuda-core", "fa2", "fa3", *TRITON)
 Q_DTYPE = torch.bfloat16
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 LAYOUTS = ("NHD", "HND")
@@ -86,9 +93,9 @@ class Variant(NamedTuple):
             raise argparse.ArgumentTypeError(f"{text!r}: split is auto, none or a page count")
         if layout not in LAYOUTS:
             raise argparse.ArgumentTypeError(f"{text!r}: layout is NHD or HND")
-        if kernel in TRITON_TILES and layout != "NHD":
+        if kernel in TRITON and layout != "NHD":
             raise argparse.ArgumentTypeError(f"{text!r}: the Triton kernel reads NHD pages")
-        if kernel in TRITON_TILES and split.isdigit() and not 1 <= int(split) <= 32:
+        if kernel in TRITON and split.isdigit() and not 1 <= int(split) <= 32:
             raise argparse.ArgumentTypeError(f"{text!r}: Triton splits are 1 to 32")
         return cls(kernel, split, layout)
 
@@ -138,7 +145,7 @@ def time_kernel(
     q = qkv[:, : args.num_heads]
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     call = DecodeCall(q, out, indptr, indices.to(torch.int32), last)
-    if variant.kernel in TRITON_TILES:
+    if variant.kernel in TRITON:
         run = _triton_call(variant, args, call)
     else:
         run = _flashinfer_call(fi, variant, args, call)
@@ -194,7 +201,7 @@ def time_kernel(
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize(device)
-    own = ("split_attend", "merge") if variant.kernel in TRITON_TILES else ("flashinfer",)
+    own = ("split_attend", "merge") if variant.kernel in TRITON else ("flashinfer",)
     return (
         sum(
             e.device_time_total
@@ -211,12 +218,9 @@ def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -
 
     q, out = call.q, call.out
     batch_size, device = q.shape[0], q.device
-    block, warps, stages, chunk, early_v = TRITON_TILES[variant.kernel]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = pd.plan(batch_size, args.num_kv_heads, sms=sms).splits
-    if variant.split != "auto":
-        splits = 1 if variant.split == "none" else int(variant.split)
-    decode_plan = pd.DecodePlan(splits, block, warps, stages, chunk, early_v)
+    e4m3 = KV_DTYPES[args.kv_dtype] == pd.E4M3
+    decode_plan = triton_plan(variant, batch_size, args.num_kv_heads, sms, e4m3)
     scratch = pd.scratch_for(
         batch_size, args.num_heads, args.head_dim, decode_plan.partials, device
     )
@@ -227,6 +231,25 @@ def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -
         pd.paged_decode(q, *cache, *table, out, sm_scale, decode_plan, scratch)
 
     return run
+
+
+def triton_plan(variant: Variant, batch_size: int, num_kv_heads: int, sms: int, e4m3: bool) -> Any:
+    """The Triton kernel's ``DecodePlan`` of a variant at a batch size."""
+    from engine.attention import paged_decode as pd
+
+    if variant.kernel in PLANNED:
+        widen = PLANNED[variant.kernel]
+        decode_plan = pd.plan(batch_size, num_kv_heads, sms=sms, e4m3=e4m3, widen_v=widen)
+    else:
+        block, warps, stages, chunk, early_v, widen = TRITON_TILES[variant.kernel]
+        decode_plan = pd.DecodePlan(
+            pd.plan(batch_size, num_kv_heads, sms=sms).splits,
+            block, warps, stages, chunk, early_v, widen,
+        )  # fmt: skip
+    if variant.split != "auto":
+        splits = 1 if variant.split == "none" else int(variant.split)
+        decode_plan = decode_plan._replace(splits=splits)
+    return decode_plan
 
 
 def _flashinfer_call(fi: Any, variant: Variant, args: argparse.Namespace, call: DecodeCall) -> Any:

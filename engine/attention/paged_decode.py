@@ -31,11 +31,19 @@ The chunks, two ways (``DecodePlan.chunk_pages``):
   chunk, even where the batch alone fills the GPU.
 
 Over e4m3 pages V is the second operand of ``P V`` with its contraction
-(the tokens) down its rows; Triton stages the e4m3 tile in shared memory and
-reads that operand from it one byte at a time (``ld.shared.b8``, checked in
-tests/test_triton_sm90.py). Reading V as int16 pairs widened with integer
-ops instead (16-bit transposing loads, twice the shared memory) was slower
-at every batch size on the H200 (docs/benchmarks.md, Decode attention).
+(the tokens) down its rows, across its contiguous bytes. Left to itself,
+Triton stages the e4m3 tile in shared memory and reads that operand from it
+one byte at a time (``ld.shared.b8``: there is no transposing matrix load of
+bytes before sm_100), then widens it. Reading V as int16 pairs widened with
+integer ops instead (16-bit transposing loads, twice the shared memory) was
+slower at every batch size on the H200 (docs/benchmarks.md, Decode
+attention). ``DecodePlan.widen_v`` widens each V tile to fp16 in registers
+first, with the conversion instruction in inline PTX (opaque, so the
+compiler cannot move the layout change ahead of it): the layout change then
+moves fp16 values and the operand is read with 16-bit transposing matrix
+loads (``ldmatrix.trans``), with fewer instructions and registers a tile
+(docs/benchmarks.md, Decode attention; tests/test_triton_sm90.py checks the
+byte loads are gone).
 
 Either way nothing depends on the context at plan time, so a CUDA graph
 captured for a batch size replays for every context: a chunk's pages are
@@ -53,6 +61,7 @@ spans every layer: offsets are 64-bit).
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -67,6 +76,10 @@ kernel's tile."""
 PROGRAMS_PER_SM = 2
 """Programs a step aims for, per SM of the GPU, when splitting."""
 H200_SMS = 132
+WIDEN_V = False
+"""``plan``'s default for ``DecodePlan.widen_v`` over e4m3 pages: off until
+measured on the GPU against the byte-wise reads (docs/benchmarks.md, Decode
+attention)."""
 
 
 class DecodePlan(NamedTuple):
@@ -84,6 +97,10 @@ class DecodePlan(NamedTuple):
     early_v: bool = False
     """Load a tile's V before its scores are computed, so that K and V are in
     flight together (more bytes in flight a program, more registers)."""
+    widen_v: bool = False
+    """Over e4m3 pages, widen each V tile to fp16 before the layout change to
+    the tensor cores' operand (module doc). Ignored over other pages and
+    where the instruction is missing (``widens``)."""
 
     @property
     def partials(self) -> int:
@@ -101,6 +118,7 @@ def plan(
     sms: int = H200_SMS,
     chunk_pages: int = 0,
     e4m3: bool = False,
+    widen_v: bool | None = None,
 ) -> DecodePlan:
     """Splits for ``batch_size`` requests: a power of two giving enough
     programs to fill a GPU of ``sms`` SMs (``PROGRAMS_PER_SM`` each), at most
@@ -109,7 +127,9 @@ def plan(
     Tiles (``block_pages`` None), the best of a sweep on an H200 (Llama-3.1-8B's
     heads, 1024-token contexts): where the batch alone fills the GPU, 8-page
     tiles (4 warps over e4m3 pages, 8 over half-precision ones); split, 4-page
-    tiles on 4 warps. Over e4m3 pages V is loaded with K. Batch-invariant
+    tiles on 4 warps. Over e4m3 pages V is loaded with K, and widened to fp16
+    before the tensor cores where ``widen_v`` (None: ``WIDEN_V``); 8-page
+    tiles then take 8 warps as over half-precision pages. Batch-invariant
     chunks keep one tile at every batch size (a tile is a step of the sums)."""
     programs = batch_size * num_kv_heads
     splits = 1
@@ -117,8 +137,11 @@ def plan(
         splits *= 2
     if block_pages is None:
         block_pages = 8 if splits == 1 and not chunk_pages else 4
-    warps = 8 if block_pages >= 8 and not e4m3 else 4
-    return DecodePlan(splits, block_pages, warps, chunk_pages=chunk_pages, early_v=e4m3)
+    widen_v = e4m3 and (WIDEN_V if widen_v is None else widen_v)
+    warps = 8 if block_pages >= 8 and (widen_v or not e4m3) else 4
+    return DecodePlan(
+        splits, block_pages, warps, chunk_pages=chunk_pages, early_v=e4m3, widen_v=widen_v
+    )
 
 
 def group_rows(num_heads: int, num_kv_heads: int) -> int:
@@ -134,6 +157,24 @@ def _kernels() -> tuple[Any, Any]:
 
     prologue = pdl.prologue()
 
+    @triton.jit
+    def widen_e4m3(x):
+        # Four e4m3 values (one 32-bit register, the first in the low byte) to
+        # four fp16, two instructions of two. Not pure: the compiler may then
+        # neither move nor merge it, so the value widened here is what the
+        # layout change to the tensor cores' operand receives.
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi;\n"
+            " mov.b32 {lo, hi}, $2;\n"
+            " cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+            " cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+
     # The split count is an argument, not a constant: one binary serves every
     # batch size's plan.
     @triton.jit(do_not_specialize=["stride_qb", "stride_ob", "splits", "partials"])
@@ -144,7 +185,8 @@ def _kernels() -> tuple[Any, Any]:
                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                      PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, CHUNK_PAGES: tl.constexpr,
                      MAX_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr,
-                     EARLY_V: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                     EARLY_V: tl.constexpr, WIDEN_V: tl.constexpr = False,
+                     PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         b = tl.program_id(0)
@@ -197,6 +239,8 @@ def _kernels() -> tuple[Any, Any]:
                 if not EARLY_V:
                     vt = tl.load(v + page[:, None] * stride_vp + slot[:, None] * stride_vt
                                  + h * stride_vh + d[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                if WIDEN_V:  # a constant; the interpreter never sees widen_e4m3
+                    vt = widen_e4m3(vt)
                 acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vt.to(COMPUTE))
                 m = m_new
             if n_chunks == 1:
@@ -355,6 +399,7 @@ def paged_decode(
         PAGE=k_cache.shape[1], BLOCK_PAGES=decode_plan.block_pages,
         CHUNK_PAGES=decode_plan.chunk_pages, MAX_CHUNKS=MAX_SPLITS, COMPUTE=compute,
         EARLY_V=decode_plan.early_v,
+        WIDEN_V=decode_plan.widen_v and k_cache.dtype == E4M3 and widens(q.device),
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
         **launch,
     )  # fmt: skip
@@ -367,6 +412,23 @@ def paged_decode(
             CHUNK_PAGES=decode_plan.chunk_pages, num_warps=4, **launch,
         )  # fmt: skip
     return out
+
+
+def widens(device: torch.device) -> bool:
+    """Whether ``DecodePlan.widen_v`` applies on ``device``: NVIDIA GPUs with
+    the e4m3 conversion instruction (compute capability 8.9 and later), not
+    under Triton's interpreter (which runs no PTX)."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:

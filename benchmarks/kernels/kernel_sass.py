@@ -1,0 +1,135 @@
+"""What the decode attention kernel costs the SM, read from its sm_90 binary
+without a GPU: registers and spills a thread, shared memory a block, blocks an
+SM holds, and the instructions a warp issues per K/V tile of its main loop.
+
+    python -m benchmarks.kernels.kernel_sass --model llama-3.1-8b --kv-dtype fp8_e4m3 \\
+        --batch-sizes 1 64 256 --variants triton-plan triton-plan-wv triton-ev-b8-w4
+
+Each variant is one of ``bench_attention``'s Triton variants (its tiles, or the
+engine's own plan with V widened or not) at the batch's split; the kernel is
+compiled the way Triton would for that launch on an H100/H200
+(``harness.sm90``), by the Triton installed here (the GPU machine's may
+differ: the record names it). ``tokens a tile`` is the K/V tile's length, so
+``instructions a token`` (loop instructions x warps / tile tokens) compares
+tilings. A measurement of time it is not: ``bench_attention`` is, on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine, write_record
+from benchmarks.kernels.bench_attention import KV_DTYPES, TRITON, Variant, triton_plan
+from engine.model_config import ModelConfig
+from engine.presets import PRESETS
+
+H200_SMS = 132
+
+
+def measure(preset: str, kv_dtype: str, batch: int, variant: Variant, workdir: Path) -> dict:
+    from engine.attention import paged_decode as pd
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+    from harness import sm90
+
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    d, dtype = c.head_dim, KV_DTYPES[kv_dtype]
+    e4m3 = dtype == pd.E4M3
+    plan = triton_plan(variant, batch, c.num_kv_heads, H200_SMS, e4m3)
+    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=dtype))
+    q = torch.empty(batch, c.num_heads + 2 * c.num_kv_heads, d, dtype=torch.bfloat16)
+    out = torch.empty(batch, c.num_heads, d, dtype=torch.bfloat16)
+    ints = torch.zeros(batch + 1, dtype=torch.int32)
+    real_widens = pd.widens
+    pd.widens = lambda device: True  # as on an H100/H200: the launch is caught, not run
+    try:
+        with sm90.caught_launches() as caught:
+            pd.paged_decode(q[:, : c.num_heads], pool.k_layer(0), pool.v_layer(0), ints, ints,
+                            ints[:batch], out, d**-0.5, plan)  # fmt: skip
+    finally:
+        pd.widens = real_widens
+    attend = next(launch for launch in caught if launch[0].fn.__name__ == "split_attend")
+    compiled = sm90.compile_launch(attend)
+    s = sm90.sass(compiled.asm["cubin"], workdir)
+    tile_tokens = plan.block_pages * pool.page_size
+    return {
+        "model": preset,
+        "kv_dtype": kv_dtype,
+        "batch_size": batch,
+        "variant": variant.kernel,
+        "plan": plan._asdict(),
+        "registers": s.registers,
+        "stack_bytes": s.stack,
+        "shared_bytes": compiled.metadata.shared,
+        "blocks_per_sm": s.blocks_per_sm(plan.warps, compiled.metadata.shared),
+        "warps_per_sm": s.blocks_per_sm(plan.warps, compiled.metadata.shared) * plan.warps,
+        "tile_tokens": tile_tokens,
+        "loop_instructions": s.loop_instructions,
+        "instructions_per_token": s.loop_instructions * plan.warps / tile_tokens,
+        "loop": dict(s.loop.most_common()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels.kernel_sass",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS))
+    p.add_argument("--kv-dtype", default="fp8_e4m3", choices=sorted(KV_DTYPES))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument(
+        "--variants", nargs="+", default=["triton-plan", "triton-plan-wv"], choices=TRITON
+    )
+    p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
+    args = p.parse_args(argv)
+
+    from harness import sm90
+
+    why = sm90.supported()
+    if why:
+        print(why, file=sys.stderr)
+        return 1
+    import triton
+
+    rows: list[dict[str, Any]] = []
+    print(
+        f"{'batch':>5} {'variant':<16} {'tile':>4} {'warps':>5} {'regs':>4} {'stack':>5} "
+        f"{'shared':>7} {'warps/SM':>8} {'loop':>5} {'/token':>6}  byte loads, ldmatrix"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batch_sizes:
+            for name in args.variants:
+                r = measure(
+                    args.model, args.kv_dtype, batch, Variant(name, "auto", "NHD"), Path(tmp)
+                )
+                rows.append(r)
+                loop = r["loop"]
+                byte_loads = sum(v for k, v in loop.items() if k in ("LDS.U8", "LDS.S8"))
+                ldsm = sum(v for k, v in loop.items() if k.startswith("LDSM"))
+                print(
+                    f"{batch:>5} {name:<16} {r['tile_tokens']:>4} {r['plan']['warps']:>5} "
+                    f"{r['registers']:>4} {r['stack_bytes']:>5} {r['shared_bytes']:>7} "
+                    f"{r['warps_per_sm']:>8} {r['loop_instructions']:>5} "
+                    f"{r['instructions_per_token']:>6.1f}  {byte_loads}, {ldsm}"
+                )
+    body = {"triton": triton.__version__, "target": "sm_90", "results": rows}
+    write_record(
+        "benchmarks.kernels.kernel_sass",
+        argv,
+        body,
+        args.output_file,
+        f"kernel-sass-{args.model}-{args.kv_dtype}",
+        machine=machine("cpu"),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
