@@ -122,7 +122,10 @@ def sweep_tiles(rows_tile: int) -> list[fp8_skinny.Tiles]:
     tile of ``rows_tile`` (32 weight rows a program take the warp-level
     matrix instructions, 64 and 128 Hopper's warpgroup ones). Past 16 rows
     the input's tile grows with them, so fewer stages and shorter k tiles fit
-    in shared memory; those over it are refused at launch and recorded."""
+    in shared memory; those over it are refused at launch and recorded. At
+    one row tile two and three stages are tried too: with less shared memory
+    a program, two fit an SM, so more programs (a split over K, narrower
+    tiles) still run in one wave."""
     wide = rows_tile > fp8_skinny.BLOCK_M
     return [
         fp8_skinny.Tiles(bn, bk, sk, warps, stages)
@@ -130,7 +133,7 @@ def sweep_tiles(rows_tile: int) -> list[fp8_skinny.Tiles]:
         for bk in ((128, 256) if wide else (128, 256, 512))
         for sk in (1, 2, 4, 8)
         for warps in ((4, 8) if bn == 128 else (4,))
-        for stages in ((2, 3) if wide else (4,))
+        for stages in ((2, 3) if wide else (2, 3, 4))
     ]
 
 
