@@ -206,11 +206,13 @@ def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert plan(1, 8, e4m3=True) == DecodePlan(32, 4, 4, 2, early_v=True)
     assert [group_rows(h, 8) for h in (8, 32, 64, 256)] == [16, 16, 16, 32]
     assert group_rows(48, 8) == 16  # a group of 6
-    # Scratch rows per request and head: none for one split, one per split,
-    # or the most chunks a request can have.
+    # Scratch rows per request and head: none for one split (batch-invariant
+    # chunks too: one program merges them), one per split, or the most
+    # chunks a request can have.
     assert [DecodePlan(1).partials, DecodePlan(4).partials] == [0, 4]
     assert plan(256, 8, chunk_pages=16) == DecodePlan(1, 4, 4, 2, 16)
-    assert plan(256, 8, chunk_pages=16).partials == 32
+    assert plan(256, 8, chunk_pages=16).partials == 0
+    assert plan(4, 8, chunk_pages=16).partials == 32
 
 
 def test_graphs_share_one_split_scratch() -> None:

@@ -287,7 +287,8 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
     output, in the page-major pool of the model's layers. The split count is
     no compile-time constant: every batch size's plan shares one binary per
     tile and kind (with partials or without), and even chunks one merge;
-    batch-invariant chunks one more of each."""
+    batch-invariant chunks two more split binaries (with partials, and one
+    merging its chunks itself) and one more merge."""
     from engine.attention import paged_decode as pd
     from engine.kvcache.pool import KVPool, KVPoolConfig
 
@@ -308,8 +309,11 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
                 chunked = pd.plan(batch, c.num_kv_heads, chunk_pages=16, e4m3=e4m3)
                 pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch],
                                 out, d**-0.5, chunked)  # fmt: skip
-    compile_all(launches, 14)
-    assert len({_specialized(launch)[0] for launch in launches}) == 7
+    # Batch-invariant chunks at batch 256 (one split) merge in the split
+    # kernel: no merge launch, and no scratch (a binary of its own, as one
+    # split of even chunks has).
+    compile_all(launches, 13)
+    assert len({_specialized(launch)[0] for launch in launches}) == 8
 
 
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
@@ -458,6 +462,36 @@ def test_the_check_fails_a_kernel_over_the_shared_memory(launches: list[Launch])
     wide[(1,)](x, x, x, BM=256, BN=256, BK=128, num_stages=4)
     with pytest.raises(AssertionError, match="wide"):
         compile_all(launches, 1)
+
+
+def test_decode_attention_register_cap(launches: list[Launch], tmp_path: Path) -> None:
+    """``DecodePlan.registers`` reaches the compiler: the batch-invariant
+    kernel at 8-page tiles on 8 warps takes more than 128 registers a
+    thread by itself, and 128 with the cap (so two programs fit an SM)."""
+    from engine.attention import paged_decode as pd
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+
+    c = ModelConfig.from_dict(PRESETS["llama-3.1-8b"], dtype=torch.bfloat16)
+    d = c.head_dim
+    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=torch.bfloat16))
+    q = _empty(256, c.num_heads + 2 * c.num_kv_heads, d)[:, : c.num_heads]
+    ints = torch.zeros(257, dtype=torch.int32)
+    for cap in (0, 128):
+        plan = pd.DecodePlan(1, 8, 8, chunk_pages=16, registers=cap)
+        pd.paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:256],
+                        _empty(256, c.num_heads, d), d**-0.5, plan)  # fmt: skip
+    # Caught on CPU tensors: the launch code passes maxnreg for CUDA only.
+    assert all("maxnreg" not in launch[2] for launch in launches)
+    used = []
+    for cap, launch in zip((0, 128), launches, strict=True):
+        kernel, args, kwargs = launch
+        if cap:
+            kwargs = {**kwargs, "maxnreg": cap}
+        used.append(sm90.sass(sm90.compile_launch((kernel, args, kwargs)).asm["cubin"], tmp_path))
+    assert used[0].registers > 128 >= used[1].registers, used
+    with pytest.raises(ValueError, match="registers"):
+        pd.paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:256],
+                        _empty(256, c.num_heads, d), d**-0.5, pd.DecodePlan(1, registers=8))  # fmt: skip
 
 
 def test_kernel_sass_reads_the_decode_kernels_loop(tmp_path: Path) -> None:

@@ -43,30 +43,40 @@ import torch
 from benchmarks.common import machine, write_record
 
 TRITON_TILES = {
-    "triton": (4, 4, 2, 0, False, False),
-    "triton-b2": (2, 4, 2, 0, False, False),
-    "triton-b8": (8, 8, 2, 0, False, False),
-    "triton-b8-w4": (8, 4, 2, 0, False, False),
-    "triton-b8-s3": (8, 8, 3, 0, False, False),
-    "triton-b16": (16, 8, 2, 0, False, False),
-    "triton-s3": (4, 4, 3, 0, False, False),
-    "triton-s4": (4, 4, 4, 0, False, False),
-    "triton-ev": (4, 4, 2, 0, True, False),
-    "triton-ev-s3": (4, 4, 3, 0, True, False),
-    "triton-ev-b8": (8, 8, 2, 0, True, False),
-    "triton-ev-b8-w4": (8, 4, 2, 0, True, False),
-    "triton-c8": (4, 4, 2, 8, False, False),
-    "triton-c16": (4, 4, 2, 16, False, False),
-    "triton-c32": (4, 4, 2, 32, False, False),
-    "triton-wv": (4, 4, 2, 0, True, True),
-    "triton-wv-b8": (8, 8, 2, 0, True, True),
-    "triton-wv-b8-w4": (8, 4, 2, 0, True, True),
+    "triton": dict(block_pages=4, warps=4, stages=2),
+    "triton-b2": dict(block_pages=2, warps=4, stages=2),
+    "triton-b8": dict(block_pages=8, warps=8, stages=2),
+    "triton-b8-w4": dict(block_pages=8, warps=4, stages=2),
+    "triton-b8-s3": dict(block_pages=8, warps=8, stages=3),
+    "triton-b16": dict(block_pages=16, warps=8, stages=2),
+    "triton-s3": dict(block_pages=4, warps=4, stages=3),
+    "triton-s4": dict(block_pages=4, warps=4, stages=4),
+    "triton-ev": dict(block_pages=4, warps=4, stages=2, early_v=True),
+    "triton-ev-s3": dict(block_pages=4, warps=4, stages=3, early_v=True),
+    "triton-ev-b8": dict(block_pages=8, warps=8, stages=2, early_v=True),
+    "triton-ev-b8-w4": dict(block_pages=8, warps=4, stages=2, early_v=True),
+    "triton-c8": dict(block_pages=4, warps=4, stages=2, chunk_pages=8),
+    "triton-c16": dict(block_pages=4, warps=4, stages=2, chunk_pages=16),
+    "triton-c32": dict(block_pages=4, warps=4, stages=2, chunk_pages=32),
+    "triton-c16-b8": dict(block_pages=8, warps=8, stages=2, chunk_pages=16),
+    "triton-c32-b8": dict(block_pages=8, warps=8, stages=2, chunk_pages=32),
+    "triton-c16-b8-wv": dict(
+        block_pages=8, warps=8, stages=2, chunk_pages=16, early_v=True, widen_v=True
+    ),
+    "triton-c16-b8-r128": dict(block_pages=8, warps=8, stages=2, chunk_pages=16, registers=128),
+    "triton-c16-b8-wv-r128": dict(
+        block_pages=8, warps=8, stages=2, chunk_pages=16, early_v=True, widen_v=True, registers=128
+    ),
+    "triton-wv": dict(block_pages=4, warps=4, stages=2, early_v=True, widen_v=True),
+    "triton-wv-b8": dict(block_pages=8, warps=8, stages=2, early_v=True, widen_v=True),
+    "triton-wv-b8-w4": dict(block_pages=8, warps=4, stages=2, early_v=True, widen_v=True),
 }
-"""Triton variant -> (pages per K/V tile, warps, stages, chunk pages: 0 for
-chunks by the batch's split, N for batch-invariant chunks of N pages or more;
-V loaded before the scores; V widened to fp16 before the tensor cores over e4m3
-pages: ``DecodePlan.widen_v``). ``triton-plan`` and ``triton-plan-wv``: the
-engine's own plan for the batch (``paged_decode.plan``), with V widened or not."""
+"""Triton variant -> its ``paged_decode.DecodePlan`` fields at the batch's
+split: pages per K/V tile, warps, stages, batch-invariant chunks of N pages
+or more (else chunks by the split), V loaded before the scores, V widened to
+fp16 before the tensor cores over e4m3 pages, a cap on registers a thread.
+``triton-plan`` and ``triton-plan-wv``: the engine's own plan for the batch
+(``paged_decode.plan``), with V widened or not."""
 PLANNED = {"triton-plan": False, "triton-plan-wv": True}
 TRITON = (*TRITON_TILES, *PLANNED)
 KERNELS = ("cuda-core", "fa2", "fa3", *TRITON)
@@ -241,11 +251,8 @@ def triton_plan(variant: Variant, batch_size: int, num_kv_heads: int, sms: int, 
         widen = PLANNED[variant.kernel]
         decode_plan = pd.plan(batch_size, num_kv_heads, sms=sms, e4m3=e4m3, widen_v=widen)
     else:
-        block, warps, stages, chunk, early_v, widen = TRITON_TILES[variant.kernel]
-        decode_plan = pd.DecodePlan(
-            pd.plan(batch_size, num_kv_heads, sms=sms).splits,
-            block, warps, stages, chunk, early_v, widen,
-        )  # fmt: skip
+        splits = pd.plan(batch_size, num_kv_heads, sms=sms).splits
+        decode_plan = pd.DecodePlan(splits, **TRITON_TILES[variant.kernel])
     if variant.split != "auto":
         splits = 1 if variant.split == "none" else int(variant.split)
         decode_plan = decode_plan._replace(splits=splits)

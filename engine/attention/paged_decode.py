@@ -27,8 +27,12 @@ The chunks, two ways (``DecodePlan.chunk_pages``):
 - N > 0: chunks of at least N pages (a multiple of the tile), at most
   ``MAX_SPLITS`` of them, fixed by the request's page count alone: the same sums in the
   same order at every batch size, so a request's output does not depend on
-  the batch it runs in. The cost: partials for every request longer than one
-  chunk, even where the batch alone fills the GPU.
+  the batch it runs in. The chunks are merged one at a time in chunk order
+  (a running log-sum-exp, weights and weighted outputs, with fused
+  multiply-adds written out), by the merge kernel from the partials or, at
+  one split (the batch alone fills the GPU), by the program that computed
+  them, which then needs no partials and no merge kernel: the same
+  operations in the same order, so the same bits.
 
 Over e4m3 pages V is the second operand of ``P V`` with its contraction
 (the tokens) down its rows, across its contiguous bytes. Left to itself,
@@ -101,14 +105,18 @@ class DecodePlan(NamedTuple):
     """Over e4m3 pages, widen each V tile to fp16 before the layout change to
     the tensor cores' operand (module doc). Ignored over other pages and
     where the instruction is missing (``widens``)."""
+    registers: int = 0
+    """A cap on the registers a thread of the split kernel takes (Triton's
+    ``maxnreg``; what the compiler cannot keep under it spills), so that
+    more programs fit an SM; 0: the compiler's choice."""
 
     @property
     def partials(self) -> int:
         """Scratch rows per request and query head: the most chunks a request
         can have (0: none, every request is one chunk)."""
-        if self.chunk_pages:
-            return MAX_SPLITS
-        return self.splits if self.splits > 1 else 0
+        if self.splits == 1:
+            return 0  # one program a request and head: it merges its chunks itself
+        return MAX_SPLITS if self.chunk_pages else self.splits
 
 
 def plan(
@@ -211,6 +219,14 @@ def _kernels() -> tuple[Any, Any]:
         qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                      mask=g_ok[:, None], other=0.0).to(COMPUTE)  # fmt: skip
         t = tl.arange(0, BLOCK_N)
+        # Batch-invariant chunks at one split: this program has all of a
+        # request's chunks and merges them itself, step by step in chunk
+        # order as the merge kernel does from the partials, so the bits are
+        # the same at every split count (the running merge is in chunked
+        # binaries only: CHUNK_PAGES is a constant).
+        best = tl.full([G_PAD], float("-inf"), tl.float32)
+        wsum = tl.zeros([G_PAD], tl.float32)
+        osum = tl.zeros([G_PAD, D], tl.float32)
         for c in range(s, n_chunks, splits):
             lo = c * chunk
             hi = tl.minimum(lo + chunk, n_pages)
@@ -248,12 +264,30 @@ def _kernels() -> tuple[Any, Any]:
                 tl.store(out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                          o.to(out.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
             else:
-                # Partials [batch, heads, partials, (D)]: normalized, with
-                # their log-sum-exp.
-                row = (b * tl.num_programs(1) * G + heads) * partials + c
-                tl.store(part_o + row[:, None] * D + d[None, :], acc / den[:, None],
-                         mask=g_ok[:, None])  # fmt: skip
-                tl.store(part_lse + row, m + tl.log2(den), mask=g_ok)
+                o = acc / den[:, None]  # normalized, with its log-sum-exp (base 2)
+                lse = m + tl.log2(den)
+                if CHUNK_PAGES > 0:  # noqa: SIM102 (a constant: chunked binaries only)
+                    if splits == 1:
+                        # The merge kernel's step, the same operations in the
+                        # same order (fused multiply-adds written out): the
+                        # running merge of the chunks so far, scaled to the
+                        # largest log-sum-exp.
+                        top = tl.maximum(best, lse)
+                        keep = tl.exp2(best - top)
+                        w = tl.exp2(lse - top)
+                        wsum = tl.fma(wsum, keep, w)
+                        osum = tl.fma(osum, keep[:, None], o * w[:, None])
+                        best = top
+                if (splits > 1) | (CHUNK_PAGES == 0):
+                    # Partials [batch, heads, partials, (D)].
+                    row = (b * tl.num_programs(1) * G + heads) * partials + c
+                    tl.store(part_o + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
+                    tl.store(part_lse + row, lse, mask=g_ok)
+        if CHUNK_PAGES > 0:  # noqa: SIM102 (a constant: the block is in chunked binaries only)
+            if splits == 1 and n_chunks > 1:
+                o = osum / wsum[:, None] * v_scale
+                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                         o.to(out.dtype.element_ty), mask=g_ok[:, None])  # fmt: skip
 
     @triton.jit(do_not_specialize=["stride_ob", "splits", "partials"])
     def merge(indptr, part_o, part_lse, out, stride_ob, stride_oh, v_scale, H, splits, partials,
@@ -270,16 +304,43 @@ def _kernels() -> tuple[Any, Any]:
             chunk = tl.maximum(tl.cdiv(n_pages, S_PAD), CHUNK_PAGES)
             chunk = tl.cdiv(chunk, BLOCK_PAGES) * BLOCK_PAGES
         n_chunks = tl.cdiv(n_pages, chunk)
-        if n_chunks > 1:  # else split_attend wrote the rows
-            s = tl.arange(0, S_PAD)
+        # Where a request is one chunk, split_attend wrote its rows.
+        if CHUNK_PAGES == 0:
+            if n_chunks > 1:
+                s = tl.arange(0, S_PAD)
+                d = tl.arange(0, D)
+                ok = s < n_chunks
+                row = (b * H + hq) * partials + s
+                lse = tl.load(part_lse + row, mask=ok, other=float("-inf"))
+                w = tl.exp2(lse - tl.max(lse, axis=0))  # chunks hold pages: the max is finite
+                o = tl.load(part_o + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+                o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0) * v_scale
+                tl.store(out + b * stride_ob + hq * stride_oh + d, o.to(out.dtype.element_ty))
+        elif n_chunks > 1:
+            # Batch-invariant chunks: a running merge in chunk order, as
+            # split_attend does at one split, unrolled.
+            one = tl.arange(0, 1)
             d = tl.arange(0, D)
-            ok = s < n_chunks
-            row = (b * H + hq) * partials + s
-            lse = tl.load(part_lse + row, mask=ok, other=float("-inf"))
-            w = tl.exp2(lse - tl.max(lse, axis=0))  # chunks hold pages: the max is finite
-            o = tl.load(part_o + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0) * v_scale
-            tl.store(out + b * stride_ob + hq * stride_oh + d, o.to(out.dtype.element_ty))
+            best = tl.full([1], float("-inf"), tl.float32)
+            wsum = tl.zeros([1], tl.float32)
+            osum = tl.zeros([1, D], tl.float32)
+            for c in tl.static_range(S_PAD):
+                row = (b * H + hq) * partials + c + one
+                ok = c + one < n_chunks
+                lse = tl.load(part_lse + row, mask=ok, other=float("-inf"))
+                o = tl.load(part_o + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+                # split_attend's step, its result kept for real chunks only (a
+                # select, not a branch, so the loads run ahead of the steps).
+                live = c < n_chunks
+                top = tl.maximum(best, lse)
+                keep = tl.exp2(best - top)
+                w = tl.exp2(lse - top)
+                wsum = tl.where(live, tl.fma(wsum, keep, w), wsum)
+                osum = tl.where(live, tl.fma(osum, keep[:, None], o * w[:, None]), osum)
+                best = tl.where(live, top, best)
+            o = osum / wsum[:, None] * v_scale
+            tl.store(out + b * stride_ob + hq * stride_oh + one[:, None] * 0 + d[None, :],
+                     o.to(out.dtype.element_ty))  # fmt: skip
 
     return split_attend, merge
 
@@ -383,6 +444,8 @@ def paged_decode(
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     if decode_plan.chunk_pages < 0:
         raise ValueError(f"chunk_pages must be >= 0, got {decode_plan.chunk_pages}")
+    if decode_plan.registers and not 24 <= decode_plan.registers <= 255:
+        raise ValueError(f"registers must be 0 or in [24, 255], got {decode_plan.registers}")
     if partials and scratch is None:
         scratch = scratch_for(batch, num_heads, head_dim, partials, q.device)
     parts = scratch or Scratch(out, out)
@@ -401,7 +464,7 @@ def paged_decode(
         EARLY_V=decode_plan.early_v,
         WIDEN_V=decode_plan.widen_v and k_cache.dtype == E4M3 and widens(q.device),
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
-        **launch,
+        **launch, **({"maxnreg": decode_plan.registers} if decode_plan.registers and q.is_cuda else {}),
     )  # fmt: skip
     if partials:
         merge[(batch, num_heads)](
