@@ -512,3 +512,25 @@ def test_kernel_sass_reads_the_decode_kernels_loop(tmp_path: Path) -> None:
     assert plain["loop"].get("LDS.U8", 0) > 0
     assert widened["loop"].get("LDS.U8", 0) == 0
     assert widened["instructions_per_token"] < plain["instructions_per_token"]
+
+
+def test_kernel_sass_counts_the_fp8_products_programs(tmp_path: Path) -> None:
+    """``kernel_sass --kernel fp8-products``: each dense product of the
+    preset at one row, at the engine's tiles, compiled; its program count is
+    the grid the launch code makes (weight rows over the tile, times the K
+    split), and no more than 132 SMs are counted busy."""
+    out = tmp_path / "fp8.json"
+    cmd = [sys.executable, "-m", "benchmarks.kernels.kernel_sass", "--kernel", "fp8-products",
+           "--batch-sizes", "1", "--output-file", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["product"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == set(LLAMA) - {"lm_head"}
+    for name, r in rows.items():
+        t = fp8_skinny.tiles(*LLAMA[name])
+        assert t is not None and r["tiles"] == t._asdict(), name
+        assert r["programs"] == LLAMA[name][0] // t.block_n * t.split_k
+        assert r["sms_busy"] == min(132, r["programs"]) and r["registers"] > 0
+        assert (
+            r["blocks_per_sm"] >= 1 and r["shared_bytes"] * r["blocks_per_sm"] <= SM90_SHARED_BYTES
+        )

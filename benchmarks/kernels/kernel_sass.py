@@ -1,9 +1,12 @@
-"""What the decode attention kernel costs the SM, read from its sm_90 binary
-without a GPU: registers and spills a thread, shared memory a block, blocks an
-SM holds, and the instructions a warp issues per K/V tile of its main loop.
+"""What a kernel costs the SM, read from its sm_90 binary without a GPU:
+registers and spills a thread, shared memory a block, blocks an SM holds, and
+(decode attention) the instructions a warp issues per K/V tile of its main
+loop, or (``--kernel fp8-products``) how many programs the FP8 few-row
+product runs and how many of the GPU's SMs they can keep busy at once.
 
     python -m benchmarks.kernels.kernel_sass --model llama-3.1-8b --kv-dtype fp8_e4m3 \\
         --batch-sizes 1 64 256 --variants triton-plan triton-plan-wv triton-ev-b8-w4
+    python -m benchmarks.kernels.kernel_sass --kernel fp8-products --batch-sizes 1 16 64
 
 Each variant is one of ``bench_attention``'s Triton variants (its tiles, or the
 engine's own plan with V widened or not) at the batch's split; the kernel is
@@ -75,11 +78,56 @@ def measure(preset: str, kv_dtype: str, batch: int, variant: Variant, workdir: P
     }
 
 
+def measure_fp8(preset: str, rows: int, workdir: Path) -> list[dict]:
+    """The FP8 few-row product at each of the model's dense projections, at
+    the tiles the engine picks for ``rows`` rows: programs, blocks an SM
+    holds, the SMs with a program (the block scheduler spreads them over
+    the SMs first; of an H100/H200's 132) and the waves (programs over what
+    all SMs hold at once)."""
+    from engine.layers import fp8, fp8_skinny
+    from engine.layers.fp8_quant import Quantized
+    from harness import sm90
+
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {
+        "qkv": (q_out + 2 * kv_out, c.hidden_size),
+        "o": (c.hidden_size, q_out),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+    }
+    out = []
+    for name, (n, k) in shapes.items():
+        weight = torch.empty(n, k, dtype=fp8.E4M3)
+        x = Quantized(torch.empty(rows, k, dtype=fp8.E4M3), torch.empty(rows), torch.bfloat16)
+        t = fp8_skinny.fits(x, weight)
+        if t is None:
+            out.append({"model": preset, "rows": rows, "product": name, "n": n, "k": k})
+            continue
+        with sm90.caught_launches() as caught:
+            fp8_skinny.run(x, weight, torch.empty(n), None, t)
+        compiled = sm90.compile_launch(caught[0])
+        s = sm90.sass(compiled.asm["cubin"], workdir)
+        programs = (n // t.block_n) * t.split_k
+        per_sm = s.blocks_per_sm(t.warps, compiled.metadata.shared)
+        out.append({
+            "model": preset, "rows": rows, "product": name, "n": n, "k": k,
+            "tiles": t._asdict(), "programs": programs, "registers": s.registers,
+            "stack_bytes": s.stack, "shared_bytes": compiled.metadata.shared,
+            "blocks_per_sm": per_sm, "sms_busy": min(H200_SMS, programs),
+            "waves": programs / (per_sm * H200_SMS),
+        })  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.kernels.kernel_sass",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--kernel", default="decode-attention", choices=["decode-attention", "fp8-products"]
     )
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS))
     p.add_argument("--kv-dtype", default="fp8_e4m3", choices=sorted(KV_DTYPES))
@@ -98,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import triton
 
+    if args.kernel == "fp8-products":
+        return _fp8_products(args, argv, triton.__version__)
     rows: list[dict[str, Any]] = []
     print(
         f"{'batch':>5} {'variant':<16} {'tile':>4} {'warps':>5} {'regs':>4} {'stack':>5} "
@@ -126,6 +176,40 @@ def main(argv: list[str] | None = None) -> int:
         body,
         args.output_file,
         f"kernel-sass-{args.model}-{args.kv_dtype}",
+        machine=machine("cpu"),
+    )
+    return 0
+
+
+def _fp8_products(args: argparse.Namespace, argv: list[str] | None, version: str) -> int:
+    rows: list[dict[str, Any]] = []
+    print(
+        f"{'rows':>4} {'product':<8} {'tiles (n, k, split, warps, stages)':<36} {'programs':>8} "
+        f"{'regs':>4} {'shared':>7} {'blocks/SM':>9} {'SMs busy':>8} {'waves':>5}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batch_sizes:
+            for r in measure_fp8(args.model, batch, Path(tmp)):
+                rows.append(r)
+                if "tiles" not in r:
+                    print(f"{batch:>4} {r['product']:<8} (not this kernel's)")
+                    continue
+                t = r["tiles"]
+                tiles = (
+                    f"{t['block_n']}, {t['block_k']}, {t['split_k']}, {t['warps']}, {t['stages']}"
+                )
+                print(
+                    f"{batch:>4} {r['product']:<8} {tiles:<36} {r['programs']:>8} "
+                    f"{r['registers']:>4} {r['shared_bytes']:>7} {r['blocks_per_sm']:>9} "
+                    f"{r['sms_busy']:>8} {r['waves']:>5.2f}"
+                )
+    body = {"triton": version, "target": "sm_90", "kernel": args.kernel, "results": rows}
+    write_record(
+        "benchmarks.kernels.kernel_sass",
+        argv,
+        body,
+        args.output_file,
+        f"kernel-sass-fp8-products-{args.model}",
         machine=machine("cpu"),
     )
     return 0
