@@ -113,7 +113,8 @@ class DecodePlan(NamedTuple):
     @property
     def partials(self) -> int:
         """Scratch rows per request and query head: the most chunks a request
-        can have (0: none, every request is one chunk)."""
+        can have (0: none, at one split: a request is one chunk, or its one
+        program merges its chunks itself)."""
         if self.splits == 1:
             return 0  # one program a request and head: it merges its chunks itself
         return MAX_SPLITS if self.chunk_pages else self.splits
