@@ -144,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(why, file=sys.stderr)
         return 1
-    import triton
-
     if args.kernel == "fp8-products":
-        return _fp8_products(args, argv, triton.__version__)
+        return _fp8_products(args, argv)
     rows: list[dict[str, Any]] = []
     print(
         f"{'batch':>5} {'variant':<16} {'tile':>4} {'warps':>5} {'regs':>4} {'stack':>5} "
@@ -169,19 +167,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['warps_per_sm']:>8} {r['loop_instructions']:>5} "
                     f"{r['instructions_per_token']:>6.1f}  {byte_loads}, {ldsm}"
                 )
-    body = {"triton": triton.__version__, "target": "sm_90", "results": rows}
-    write_record(
-        "benchmarks.kernels.kernel_sass",
-        argv,
-        body,
-        args.output_file,
-        f"kernel-sass-{args.model}-{args.kv_dtype}",
-        machine=machine("cpu"),
-    )
+    _record(args, argv, rows, f"kernel-sass-{args.model}-{args.kv_dtype}")
     return 0
 
 
-def _fp8_products(args: argparse.Namespace, argv: list[str] | None, version: str) -> int:
+def _record(args: argparse.Namespace, argv: list[str] | None, rows: list, stem: str) -> None:
+    import triton
+
+    body = {"triton": triton.__version__, "target": "sm_90", "kernel": args.kernel, "results": rows}
+    write_record(
+        "benchmarks.kernels.kernel_sass", argv, body, args.output_file, stem, machine=machine("cpu")
+    )
+
+
+def _fp8_products(args: argparse.Namespace, argv: list[str] | None) -> int:
     rows: list[dict[str, Any]] = []
     print(
         f"{'rows':>4} {'product':<8} {'tiles (n, k, split, warps, stages)':<36} {'programs':>8} "
@@ -203,15 +202,7 @@ def _fp8_products(args: argparse.Namespace, argv: list[str] | None, version: str
                     f"{r['registers']:>4} {r['shared_bytes']:>7} {r['blocks_per_sm']:>9} "
                     f"{r['sms_busy']:>8} {r['waves']:>5.2f}"
                 )
-    body = {"triton": version, "target": "sm_90", "kernel": args.kernel, "results": rows}
-    write_record(
-        "benchmarks.kernels.kernel_sass",
-        argv,
-        body,
-        args.output_file,
-        f"kernel-sass-fp8-products-{args.model}",
-        machine=machine("cpu"),
-    )
+    _record(args, argv, rows, f"kernel-sass-fp8-products-{args.model}")
     return 0
 
 
