@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_attention import KV_DTYPES, TRITON, Variant, triton_plan
+from benchmarks.kernels.bench_gemv import shapes
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
 
@@ -88,16 +89,11 @@ def measure_fp8(preset: str, rows: int, workdir: Path) -> list[dict]:
     from engine.layers.fp8_quant import Quantized
     from harness import sm90
 
-    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {
-        "qkv": (q_out + 2 * kv_out, c.hidden_size),
-        "o": (c.hidden_size, q_out),
-        "gate_up": (2 * c.intermediate_size, c.hidden_size),
-        "down": (c.hidden_size, c.intermediate_size),
-    }
     out = []
-    for name, (n, k) in shapes.items():
+    # bench_fp8's products: every one-row product but the LM head (bf16).
+    for name, (n, k) in shapes(preset).items():
+        if name == "lm_head":
+            continue
         weight = torch.empty(n, k, dtype=fp8.E4M3)
         x = Quantized(torch.empty(rows, k, dtype=fp8.E4M3), torch.empty(rows), torch.bfloat16)
         t = fp8_skinny.fits(x, weight)
