@@ -36,3 +36,26 @@ def test_off_before_compute_capability_9_and_on_rocm(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(pdl, "_triton_launches_it", lambda: False)
     assert not pdl.enabled(torch.device("cuda", 0))
+
+
+def test_the_decode_attentions_widened_v_follows_the_same_device_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``paged_decode.widens`` reads the capability as PDL does: compute
+    capability 8.9+ (the e4m3 conversion instruction), NVIDIA only, never
+    under the interpreter or on the CPU."""
+    from engine.attention import paged_decode
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_capability", lambda index: (8, 0))
+    assert not paged_decode.widens(cuda)
+    monkeypatch.setattr(pdl, "_capability", lambda index: (8, 9))
+    assert paged_decode.widens(cuda) and not pdl.enabled(cuda)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not paged_decode.widens(cuda)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert not paged_decode.widens(cuda)
+    assert not paged_decode.widens(torch.device("cpu"))

@@ -65,7 +65,6 @@ spans every layer: offsets are 64-bit).
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -482,17 +481,8 @@ def widens(device: torch.device) -> bool:
     """Whether ``DecodePlan.widen_v`` applies on ``device``: NVIDIA GPUs with
     the e4m3 conversion instruction (compute capability 8.9 and later), not
     under Triton's interpreter (which runs no PTX)."""
-    if device.type != "cuda" or torch.version.cuda is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (8, 9)
-
-
-@cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    capability = pdl.compiled_capability(device)
+    return capability is not None and capability >= (8, 9)
 
 
 def _compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:

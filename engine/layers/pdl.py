@@ -42,14 +42,22 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def compiled_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of ``device`` where Triton runs compiled PTX on
+    it: an NVIDIA GPU, not under Triton's interpreter; else None (the CPU,
+    ROCm's "cuda" devices)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    if torch.version.cuda is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use it."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.version.cuda is None:  # ROCm's "cuda" devices: no such launch
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0) and _triton_launches_it()
+    capability = compiled_capability(device)
+    return capability is not None and capability >= (9, 0) and _triton_launches_it()
 
 
 def launch_options(device: torch.device) -> dict[str, Any]:
