@@ -57,9 +57,9 @@ def compile_sm90(launch: Launch) -> int:
     """Compile a caught launch for sm_90 as Triton would for that call on an
     H200 (its specialization of each argument, its options); the kernel's
     shared memory in bytes."""
-    key = _specialized(launch)[0]
+    key = sm90.specialized(launch)[0]
     if key not in _compiled:
-        out = _compile(launch)
+        out = sm90.compile_launch(launch)
         assert "cubin" in out.asm
         _compiled[key] = out.metadata.shared
     return _compiled[key]
@@ -67,11 +67,7 @@ def compile_sm90(launch: Launch) -> int:
 
 def ptx_sm90(launch: Launch) -> str:
     """The PTX of a caught launch compiled for sm_90."""
-    return _compile(launch).asm["ptx"]
-
-
-_compile = sm90.compile_launch
-_specialized = sm90.specialized
+    return sm90.compile_launch(launch).asm["ptx"]
 
 
 def compile_all(launches: list[Launch], expect: int) -> None:
@@ -274,7 +270,7 @@ def test_rope_and_kv_write_compiles_once_per_model(launches: list[Launch]) -> No
             pool.v_layer(1),
             AppendIndex(ints, flat[offset + 1 : offset + 1 + n], ints, ints, ints),
         )
-    keys = {_specialized(launch)[0] for launch in launches}
+    keys = {sm90.specialized(launch)[0] for launch in launches}
     assert len(launches) == 6 and len(keys) == 1, len(keys)
 
 
@@ -313,7 +309,7 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
     # kernel: no merge launch, and no scratch (a binary of its own, as one
     # split of even chunks has).
     compile_all(launches, 13)
-    assert len({_specialized(launch)[0] for launch in launches}) == 8
+    assert len({sm90.specialized(launch)[0] for launch in launches}) == 8
 
 
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
