@@ -30,10 +30,10 @@ import torch
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_attention import KV_DTYPES, TRITON, Variant, triton_plan
 from benchmarks.kernels.bench_gemv import shapes
+from engine.attention.paged_decode import H200_SMS
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
 
-H200_SMS = 132
 
 
 def measure(preset: str, kv_dtype: str, batch: int, variant: Variant, workdir: Path) -> dict:
