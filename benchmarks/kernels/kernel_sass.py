@@ -35,7 +35,6 @@ from engine.model_config import ModelConfig
 from engine.presets import PRESETS
 
 
-
 def measure(preset: str, kv_dtype: str, batch: int, variant: Variant, workdir: Path) -> dict:
     from engine.attention import paged_decode as pd
     from engine.kvcache.pool import KVPool, KVPoolConfig
