@@ -271,7 +271,9 @@ def _kernels() -> tuple[Any, Any]:
                         # The merge kernel's step, the same operations in the
                         # same order (fused multiply-adds written out): the
                         # running merge of the chunks so far, scaled to the
-                        # largest log-sum-exp.
+                        # largest log-sum-exp. Written out in both kernels:
+                        # Triton's interpreter does not see a kernel's
+                        # closure, so a shared helper would not run there.
                         top = tl.maximum(best, lse)
                         keep = tl.exp2(best - top)
                         w = tl.exp2(lse - top)
