@@ -89,10 +89,10 @@ def test_what_takes_the_kernel() -> None:
 
     q = torch.zeros(4096, 4096, dtype=fp8.E4M3)
     x = torch.zeros(16, 4096, dtype=torch.bfloat16)
-    assert fp8_skinny.fits(x[:1], q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)
-    assert fp8_skinny.fits(x, q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)  # 16 rows: the same
+    assert fp8_skinny.fits(x[:1], q) == fp8_skinny.Tiles(64, 512, 1, 4, 4)
+    assert fp8_skinny.fits(x, q) == fp8_skinny.Tiles(64, 512, 1, 4, 4)  # 16 rows: the same
     rows = Quantized(x.to(fp8.E4M3), torch.ones(16), torch.bfloat16)
-    assert fp8_skinny.fits(rows, q) == fp8_skinny.Tiles(64, 512, 2, 4, 4)  # already quantized
+    assert fp8_skinny.fits(rows, q) == fp8_skinny.Tiles(64, 512, 1, 4, 4)  # already quantized
     assert fp8_skinny.fits(rows._replace(dtype=torch.float32), q) is None  # float32 output
     # Row tiles: 16 up to 16 rows, then the next power of two up to 64.
     assert [fp8_skinny.block_m(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
@@ -114,7 +114,7 @@ def test_what_takes_the_kernel() -> None:
     assert fp8_skinny.fits(x, q.float()) is None  # not an FP8 weight
     assert fp8_skinny.fits(x[:, :2048], q) is None  # K differs
     wide = torch.zeros(28672, 4096, dtype=fp8.E4M3)
-    assert fp8_skinny.fits(x, wide) == fp8_skinny.Tiles(128, 128, 1, 4, 4)
+    assert fp8_skinny.fits(x, wide) == fp8_skinny.Tiles(64, 256, 1, 4, 4)  # shorter k tiles
     # A K no tile divides twice: the k tile halves until one does, else none.
     assert fp8_skinny.fits(x[:, :384], q[:, :384].contiguous()) == fp8_skinny.Tiles(
         64, 128, 1, 4, 4

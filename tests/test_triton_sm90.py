@@ -497,11 +497,11 @@ def test_kernel_sass_reads_the_decode_kernels_loop(tmp_path: Path) -> None:
     token; both plans hold the GPU's tensor-core instructions in that loop."""
     out = tmp_path / "sass.json"
     cmd = [sys.executable, "-m", "benchmarks.kernels.kernel_sass", "--batch-sizes", "256",
-           "--variants", "triton-plan", "triton-plan-wv", "--output-file", str(out)]  # fmt: skip
+           "--variants", "triton-plan-bytes", "triton-plan-wv", "--output-file", str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    plain, widened = rows["triton-plan"], rows["triton-plan-wv"]
+    plain, widened = rows["triton-plan-bytes"], rows["triton-plan-wv"]
     assert plain["plan"]["widen_v"] is False and widened["plan"]["widen_v"] is True
     for r in (plain, widened):
         assert r["loop"].get("HMMA.16816.F32", 0) > 0 and r["registers"] <= 255

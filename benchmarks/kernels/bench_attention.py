@@ -77,9 +77,10 @@ TRITON_TILES = {
 split: pages per K/V tile, warps, stages, batch-invariant chunks of N pages
 or more (else chunks by the split), V loaded before the scores, V widened to
 fp16 before the tensor cores over e4m3 pages, a cap on registers a thread.
-``triton-plan`` and ``triton-plan-wv``: the engine's own plan for the batch
-(``paged_decode.plan``), with V widened or not."""
-PLANNED = {"triton-plan": False, "triton-plan-wv": True}
+``triton-plan``: the engine's own plan for the batch (``paged_decode.plan``);
+``triton-plan-wv`` and ``triton-plan-bytes``: that plan with V widened, or
+read byte-wise, over e4m3 pages."""
+PLANNED = {"triton-plan": None, "triton-plan-wv": True, "triton-plan-bytes": False}
 TRITON = (*TRITON_TILES, *PLANNED)
 KERNELS = ("cuda-core", "fa2", "fa3", *TRITON)
 Q_DTYPE = torch.bfloat16

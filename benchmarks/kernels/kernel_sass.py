@@ -5,11 +5,11 @@ loop, or (``--kernel fp8-products``) how many programs the FP8 few-row
 product runs and how many of the GPU's SMs they can keep busy at once.
 
     python -m benchmarks.kernels.kernel_sass --model llama-3.1-8b --kv-dtype fp8_e4m3 \\
-        --batch-sizes 1 64 256 --variants triton-plan triton-plan-wv triton-ev-b8-w4
+        --batch-sizes 1 64 256 --variants triton-plan-bytes triton-plan-wv triton-ev-b8-w4
     python -m benchmarks.kernels.kernel_sass --kernel fp8-products --batch-sizes 1 16 64
 
 Each variant is one of ``bench_attention``'s Triton variants (its tiles, or the
-engine's own plan with V widened or not) at the batch's split; the kernel is
+engine's own plan, with V widened or read byte-wise) at the batch's split; the kernel is
 compiled the way Triton would for that launch on an H100/H200
 (``harness.sm90``), by the Triton installed here (the GPU machine's may
 differ: the record names it). ``tokens a tile`` is the K/V tile's length, so
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-dtype", default="fp8_e4m3", choices=sorted(KV_DTYPES))
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument(
-        "--variants", nargs="+", default=["triton-plan", "triton-plan-wv"], choices=TRITON
+        "--variants", nargs="+", default=["triton-plan-bytes", "triton-plan-wv"], choices=TRITON
     )
     p.add_argument("--output-file", default=None, help="JSON record (default: results dir)")
     args = p.parse_args(argv)

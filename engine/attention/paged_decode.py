@@ -79,10 +79,11 @@ kernel's tile."""
 PROGRAMS_PER_SM = 2
 """Programs a step aims for, per SM of the GPU, when splitting."""
 H200_SMS = 132
-WIDEN_V = False
-"""``plan``'s default for ``DecodePlan.widen_v`` over e4m3 pages: off until
-measured on the GPU against the byte-wise reads (docs/benchmarks.md, Decode
-attention)."""
+WIDEN_V = True
+"""``plan``'s default for ``DecodePlan.widen_v`` over e4m3 pages: on, faster
+than the byte-wise reads of V at every measured batch size
+(docs/benchmarks.md, Decode attention). Where the instruction is missing the
+launch reads bytes whatever the plan (``widens``)."""
 
 
 class DecodePlan(NamedTuple):
@@ -132,13 +133,14 @@ def plan(
     programs to fill a GPU of ``sms`` SMs (``PROGRAMS_PER_SM`` each), at most
     ``MAX_SPLITS``; one where the batch alone fills it.
 
-    Tiles (``block_pages`` None), the best of a sweep on an H200 (Llama-3.1-8B's
-    heads, 1024-token contexts): where the batch alone fills the GPU, 8-page
-    tiles (4 warps over e4m3 pages, 8 over half-precision ones); split, 4-page
-    tiles on 4 warps. Over e4m3 pages V is loaded with K, and widened to fp16
-    before the tensor cores where ``widen_v`` (None: ``WIDEN_V``); 8-page
-    tiles then take 8 warps as over half-precision pages. Batch-invariant
-    chunks keep one tile at every batch size (a tile is a step of the sums)."""
+    Tiles (``block_pages`` None), the best of sweeps on an H200 and an H100
+    (Llama-3.1-8B's heads, 1024-token contexts): where the batch alone fills
+    the GPU, 8-page tiles on 8 warps; split, 4-page tiles on 4 warps. Over
+    e4m3 pages V is loaded with K, and widened to fp16 before the tensor
+    cores where ``widen_v`` (None: ``WIDEN_V``); read byte-wise instead,
+    8-page tiles take 4 warps (the registers of the byte-wise layout change).
+    Batch-invariant chunks keep one tile at every batch size (a tile is a
+    step of the sums)."""
     programs = batch_size * num_kv_heads
     splits = 1
     while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * sms:

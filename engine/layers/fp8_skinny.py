@@ -58,19 +58,16 @@ class Tiles(NamedTuple):
 
 def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
     """The tiles for an ``[n, k]`` e4m3 weight against ``rows_tile`` input
-    rows, or None where they do not fit. (The best of sweeps on an H200 over
-    Llama-3.1-8B's shapes. One row tile: weights of 4096 rows or fewer split
-    over K twice, the wide gate/up in taller, shorter tiles. Two or four:
-    shorter k tiles over three stages, the shared memory of a wider row tile,
-    and splits of K for all but the wide weights.)"""
+    rows, or None where they do not fit. (The best of sweeps over
+    Llama-3.1-8B's shapes. One row tile, on an H100 with rows quantized
+    upstream: no split of K, 64-row tiles over four stages, k tiles of 512
+    for weights of 4096 rows or fewer and of 256 for wider ones. Two or four,
+    on an H200: shorter k tiles over three stages, the shared memory of a
+    wider row tile, and splits of K for all but the wide weights.)"""
     if rows_tile > BLOCK_M:
         t = Tiles(64, 256, 1 if n >= 16384 else 4 if n <= 4096 else 2, 4, 3)
-    elif n >= 16384:
-        t = Tiles(128, 128, 1, 4, 4)
-    elif n <= 4096:
-        t = Tiles(64, 512, 2, 4, 4)
     else:
-        t = Tiles(64, 512, 1, 4, 4)
+        t = Tiles(64, 512 if n <= 4096 else 256, 1, 4, 4)
     for c in (t, t._replace(split_k=1)):  # a shorter k tile, then no split, where K needs it
         while c.block_k > 128 and not applies(c, n, k, rows_tile):
             c = c._replace(block_k=c.block_k // 2)
