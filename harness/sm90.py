@@ -88,6 +88,10 @@ class Sass(NamedTuple):
     """Instructions of the loop with the most tensor-core instructions (a
     backward branch's range), by opcode; SASS instructions are issued a
     warp at a time, so each is one issue a warp per trip."""
+    instructions: int = 0
+    """Instructions of the whole kernel but the padding after it (``NOP``):
+    for a kernel without loops, what a warp issues, give or take the
+    subroutines of rarely taken paths."""
 
     @property
     def loop_instructions(self) -> int:
@@ -139,4 +143,5 @@ def sass(cubin: bytes, workdir: Path) -> Sass:
     for text in best[1]:
         op = text.split()[0]
         loop[op if op.startswith(_KEEP_SUFFIX) else op.split(".")[0]] += 1
-    return Sass(int(found.group(1)), int(found.group(2)), loop)
+    instructions = sum(not text.startswith("NOP") for _, text in code)
+    return Sass(int(found.group(1)), int(found.group(2)), loop, instructions)

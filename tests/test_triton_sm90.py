@@ -530,3 +530,30 @@ def test_kernel_sass_counts_the_fp8_products_programs(tmp_path: Path) -> None:
         assert (
             r["blocks_per_sm"] >= 1 and r["shared_bytes"] * r["blocks_per_sm"] <= SM90_SHARED_BYTES
         )
+
+
+def test_kernel_sass_reads_what_the_fp8_activation_kernels_issue(tmp_path: Path) -> None:
+    """``kernel_sass --kernel fp8-activations``: the norm and the SiLU-and-mul
+    that quantize the products' inputs, at Llama-3.1-8B's widths and two row
+    counts, compiled with the warps their launches ask for (one program a
+    row); the instructions of a kernel without loops do not depend on the
+    rows, and the issue estimate is instructions x warps over four
+    schedulers."""
+    out = tmp_path / "act.json"
+    cmd = [sys.executable, "-m", "benchmarks.kernels.kernel_sass", "--kernel", "fp8-activations",
+           "--batch-sizes", "1", "8", "--output-file", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["kernel"]) for r in rows] == [
+        (m, k) for m in (1, 8) for k in ("norm_quantize_kernel", "silu_mul_quantize_kernel")
+    ]
+    widths = {"norm_quantize_kernel": 4096, "silu_mul_quantize_kernel": 14336}
+    for r in rows:
+        assert r["width"] == widths[r["kernel"]] and r["programs"] == r["rows"]
+        assert r["warps"] == fp8_quant._row_launch(r["width"])["num_warps"]
+        assert 0 < r["registers"] <= 255 and r["stack_bytes"] == 0
+        assert r["issue_cycles"] == r["instructions"] * r["warps"] / 4
+    for kernel in widths:
+        counts = {r["instructions"] for r in rows if r["kernel"] == kernel}
+        assert len(counts) == 1 and counts.pop() > 100

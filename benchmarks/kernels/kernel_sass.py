@@ -2,11 +2,14 @@
 registers and spills a thread, shared memory a block, blocks an SM holds, and
 (decode attention) the instructions a warp issues per K/V tile of its main
 loop, or (``--kernel fp8-products``) how many programs the FP8 few-row
-product runs and how many of the GPU's SMs they can keep busy at once.
+product runs and how many of the GPU's SMs they can keep busy at once, or
+(``--kernel fp8-activations``) what the kernels quantizing those products'
+inputs issue on their SM.
 
     python -m benchmarks.kernels.kernel_sass --model llama-3.1-8b --kv-dtype fp8_e4m3 \\
         --batch-sizes 1 64 256 --variants triton-plan-bytes triton-plan-wv triton-ev-b8-w4
     python -m benchmarks.kernels.kernel_sass --kernel fp8-products --batch-sizes 1 16 64
+    python -m benchmarks.kernels.kernel_sass --kernel fp8-activations --batch-sizes 1
 
 Each variant is one of ``bench_attention``'s Triton variants (its tiles, or the
 engine's own plan, with V widened or read byte-wise) at the batch's split; the kernel is
@@ -115,6 +118,39 @@ def measure_fp8(preset: str, rows: int, workdir: Path) -> list[dict]:
     return out
 
 
+SCHEDULERS_PER_SM = 4
+"""Warp schedulers of an sm_90 SM: each issues one instruction a cycle."""
+
+
+def measure_fp8_activations(preset: str, rows: int, workdir: Path) -> list[dict]:
+    """The kernels that quantize FP8 products' inputs where they are made (the
+    residual add and RMSNorm; SiLU-and-mul), at the model's widths: one
+    program a row, holding the row in registers. ``issue_cycles`` is what one
+    program's warps issue on its SM at one instruction a scheduler a cycle:
+    a floor on the kernel's time where the rows are fewer than the SMs."""
+    from engine.layers import fp8_quant
+    from harness import sm90
+
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    hidden, inter = c.hidden_size, c.intermediate_size
+    x = torch.empty(rows, hidden, dtype=torch.bfloat16)
+    with sm90.caught_launches() as caught:
+        fp8_quant.norm_quantize(x, torch.empty_like(x), torch.empty(hidden), 1e-5)
+        fp8_quant.silu_mul_quantize(torch.empty(rows, 2 * inter, dtype=torch.bfloat16))
+    out = []
+    for launch, width in zip(caught, (hidden, inter), strict=True):
+        compiled = sm90.compile_launch(launch)
+        s = sm90.sass(compiled.asm["cubin"], workdir)
+        warps = launch[2]["num_warps"]
+        out.append({
+            "model": preset, "rows": rows, "kernel": launch[0].fn.__name__, "width": width,
+            "warps": warps, "programs": rows, "registers": s.registers, "stack_bytes": s.stack,
+            "instructions": s.instructions,
+            "issue_cycles": s.instructions * warps / SCHEDULERS_PER_SM,
+        })  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.kernels.kernel_sass",
@@ -122,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--kernel", default="decode-attention", choices=["decode-attention", "fp8-products"]
+        "--kernel",
+        default="decode-attention",
+        choices=["decode-attention", "fp8-products", "fp8-activations"],
     )
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS))
     p.add_argument("--kv-dtype", default="fp8_e4m3", choices=sorted(KV_DTYPES))
@@ -141,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.kernel == "fp8-products":
         return _fp8_products(args, argv)
+    if args.kernel == "fp8-activations":
+        return _fp8_activations(args, argv)
     rows: list[dict[str, Any]] = []
     print(
         f"{'batch':>5} {'variant':<16} {'tile':>4} {'warps':>5} {'regs':>4} {'stack':>5} "
@@ -198,6 +238,25 @@ def _fp8_products(args: argparse.Namespace, argv: list[str] | None) -> int:
                     f"{r['sms_busy']:>8} {r['waves']:>5.2f}"
                 )
     _record(args, argv, rows, f"kernel-sass-fp8-products-{args.model}")
+    return 0
+
+
+def _fp8_activations(args: argparse.Namespace, argv: list[str] | None) -> int:
+    rows: list[dict[str, Any]] = []
+    print(
+        f"{'rows':>4} {'kernel':<26} {'width':>6} {'warps':>5} {'regs':>4} {'stack':>5} "
+        f"{'instructions':>12} {'issue cycles':>12}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batch_sizes:
+            for r in measure_fp8_activations(args.model, batch, Path(tmp)):
+                rows.append(r)
+                print(
+                    f"{batch:>4} {r['kernel']:<26} {r['width']:>6} {r['warps']:>5} "
+                    f"{r['registers']:>4} {r['stack_bytes']:>5} {r['instructions']:>12} "
+                    f"{r['issue_cycles']:>12.0f}"
+                )
+    _record(args, argv, rows, f"kernel-sass-fp8-activations-{args.model}")
     return 0
 
 
