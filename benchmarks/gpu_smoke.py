@@ -473,7 +473,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def write_json(path: str, setup: Setup, gpu: str, runner: Runner) -> None:
+def write_json(path: str, setup: Setup, gpu: str, runner: Runner, interrupted: bool) -> None:
+    """The record of the checks run, also of a run stopped part way
+    (``interrupted``: by SIGINT or SIGTERM, as a time limit sends)."""
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"hostname": socket.gethostname(), "gpu": gpu},
@@ -485,6 +487,7 @@ def write_json(path: str, setup: Setup, gpu: str, runner: Runner) -> None:
         "cuda": setup.cuda,
         "passed": sum(r.ok for r in runner.results),
         "failed": sum(not r.ok for r in runner.results),
+        "interrupted": interrupted,
         "results": [asdict(r) for r in runner.results],
     }
     Path(path).write_text(json.dumps(record, indent=2) + "\n")
@@ -523,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
             runner.check("pytest/gpu", check_pytest, log_dir, [])
     except KeyboardInterrupt:
         print("interrupted; every process started was stopped", file=sys.stderr)
+        if args.json:
+            write_json(args.json, setup, gpu, runner, interrupted=True)
         return 130
     failed = [r.name for r in runner.results if not r.ok]
     print(
@@ -530,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{' (' + ', '.join(failed) + ')' if failed else ''} in {time.monotonic() - t0:.0f}s"
     )
     if args.json:
-        write_json(args.json, setup, gpu, runner)
+        write_json(args.json, setup, gpu, runner, interrupted=False)
     if failed:
         print(f"logs kept in {log_dir}")
     else:
