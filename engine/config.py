@@ -374,10 +374,11 @@ class EngineConfig:
             if reason and decode_kernel == "triton":
                 raise ValueError(f"decode_kernel 'triton': {reason}")
             # auto: the Triton kernel on e4m3 pages, where it made every measured
-            # decode step faster. bf16 pages keep FlashInfer's: the Triton kernel
-            # splits a request's pages by the batch size, so the sums' order, and
-            # near-tied greedy tokens, can differ between a prompt alone and in a
-            # batch (docs/defaults.md, Decode attention).
+            # decode step faster. bf16 pages keep FlashInfer's: with the Triton
+            # kernel's order of the sums the bf16 greedy test's prompts part at a
+            # near tie between a prompt alone and in a batch, as they do not with
+            # FlashInfer's (neither order is batch-invariant: docs/defaults.md,
+            # Decode attention).
             if decode_kernel == "auto" and (reason or not e4m3_pages):
                 decode_kernel = "flashinfer"
             else:
