@@ -187,3 +187,28 @@ def test_silu_mul_and_quantization_in_one_kernel() -> None:
     assert got.shape == (4, 80) and got.dtype == torch.float16
     assert ((got.scale - want_s).abs() <= want_s * 2.0**-10).all()
     _within_a_step(got.q, want_q)
+
+
+def test_the_sweeps_hold_the_engines_tiles() -> None:
+    """``bench_fp8 --sweep`` and ``--sweep narrow`` try the tiles the engine
+    takes for Llama-3.1-8B's products at one row and at 64 (so a sweep can
+    confirm or beat them); the narrow grid is part of the whole one."""
+    from benchmarks.kernels import bench_fp8
+    from engine.layers import fp8_skinny
+
+    shapes = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+    }
+    for rows_tile in (fp8_skinny.BLOCK_M, 64):
+        whole, narrow = bench_fp8.sweep_tiles(rows_tile), bench_fp8.sweep_tiles(rows_tile, True)
+        assert set(narrow) <= set(whole) and len(narrow) < len(whole)
+        for name, (n, k) in shapes.items():
+            t = fp8_skinny.tiles(n, k, rows_tile)
+            assert t in narrow, (name, rows_tile, t)
+    args = bench_fp8.build_parser().parse_args
+    assert [args([]).sweep, args(["--sweep"]).sweep, args(["--sweep", "narrow"]).sweep] == [
+        None, "all", "narrow",
+    ]  # fmt: skip

@@ -25,7 +25,9 @@ output) at 4.3 TB/s and the FLOPs at the dense tensor-core rate (989 TFLOP/s
 bf16, 1979 FP8); the larger of the two. Each FP8 result is checked against a
 float64 product of the quantized operands. ``--sweep`` also times the few-row
 kernel on quantized rows over a grid of tiles at every row count it takes (up
-to ``fp8_skinny.MAX_ROWS``), and records the best.
+to ``fp8_skinny.MAX_ROWS``), and records the best; ``--sweep narrow`` over the
+part of that grid one GPU call times for all four products (4 warps, 32- and
+64-row tiles).
 Writes a JSON record to ``--output-file``.
 """
 
@@ -54,7 +56,9 @@ def floor_us(m: int, n: int, k: int, weight_bytes_per: int, kind: str) -> float:
     return max(moved / HBM_BYTES_PER_S, 2 * m * n * k / TENSOR_FLOPS[kind]) * 1e6
 
 
-def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False) -> dict[str, Any]:
+def bench_case(
+    name: str, n: int, k: int, m: int, reps: int, sweep: str | None = None
+) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     copies = max(2, int(L2_BYTES // (n * k * 2)))
     ws = [
@@ -88,7 +92,7 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False
     row["fp8_floor_us"] = floor_us(m, n, k, 1, "fp8")
     row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
     if sweep and m <= fp8_skinny.MAX_ROWS:
-        row["skinny_sweep"] = sweep_skinny(given, qs, reps, ref)
+        row["skinny_sweep"] = sweep_skinny(given, qs, reps, ref, sweep == "narrow")
         row["skinny_best"] = min(
             (r for r in row["skinny_sweep"] if "us" in r), key=lambda r: r["us"]
         )
@@ -96,7 +100,11 @@ def bench_case(name: str, n: int, k: int, m: int, reps: int, sweep: bool = False
 
 
 def sweep_skinny(
-    x: Quantized, qs: list[tuple[torch.Tensor, torch.Tensor]], reps: int, ref: torch.Tensor
+    x: Quantized,
+    qs: list[tuple[torch.Tensor, torch.Tensor]],
+    reps: int,
+    ref: torch.Tensor,
+    narrow: bool = False,
 ) -> list[dict[str, Any]]:
     """``fp8_skinny.run`` on rows quantized already (as the engine hands them)
     over ``sweep_tiles`` (those that apply to the shape), each result
@@ -104,7 +112,7 @@ def sweep_skinny(
     n, k = qs[0][0].shape
     rows_tile = fp8_skinny.block_m(x.q.shape[0])
     out = []
-    for t in sweep_tiles(rows_tile):
+    for t in sweep_tiles(rows_tile, narrow):
         if not fp8_skinny.applies(t, n, k, rows_tile):
             continue
         try:
@@ -117,7 +125,7 @@ def sweep_skinny(
     return out
 
 
-def sweep_tiles(rows_tile: int) -> list[fp8_skinny.Tiles]:
+def sweep_tiles(rows_tile: int, narrow: bool = False) -> list[fp8_skinny.Tiles]:
     """Tiles of the few-row FP8 kernel tried by ``--sweep`` at an input-row
     tile of ``rows_tile`` (32 weight rows a program take the warp-level
     matrix instructions, 64 and 128 Hopper's warpgroup ones). Past 16 rows
@@ -125,8 +133,17 @@ def sweep_tiles(rows_tile: int) -> list[fp8_skinny.Tiles]:
     in shared memory; those over it are refused at launch and recorded. At
     one row tile two and three stages are tried too: with less shared memory
     a program, two fit an SM, so more programs (a split over K, narrower
-    tiles) still run in one wave."""
+    tiles) still run in one wave. ``narrow``: 4 warps on 32- and 64-row
+    tiles, the two longest k tiles, splits of 1, 2 and 4."""
     wide = rows_tile > fp8_skinny.BLOCK_M
+    if narrow:
+        return [
+            fp8_skinny.Tiles(bn, bk, sk, 4, stages)
+            for bn in (32, 64)
+            for bk in ((128, 256) if wide else (256, 512))
+            for sk in (1, 2, 4)
+            for stages in ((2, 3) if wide else (2, 3, 4))
+        ]
     return [
         fp8_skinny.Tiles(bn, bk, sk, warps, stages)
         for bn in (32, 64, 128)
@@ -146,7 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-3.1-8b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 8192])
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per case")
-    p.add_argument("--sweep", action="store_true", help="also sweep the few-row kernel's tiles")
+    p.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        choices=("all", "narrow"),
+        default=None,
+        help="also sweep the few-row kernel's tiles (narrow: 4 warps, 32- and 64-row tiles)",
+    )
     p.add_argument(
         "--projections",
         nargs="+",
