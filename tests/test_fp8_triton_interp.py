@@ -10,9 +10,14 @@ in a child process started with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from triton_interp import interpreted, parent_only, run_interpreted
+from workers import REPO
 
 from engine.layers import fp8
 
@@ -190,25 +195,30 @@ def test_silu_mul_and_quantization_in_one_kernel() -> None:
 
 
 def test_the_sweeps_hold_the_engines_tiles() -> None:
-    """``bench_fp8 --sweep`` and ``--sweep narrow`` try the tiles the engine
-    takes for Llama-3.1-8B's products at one row and at 64 (so a sweep can
-    confirm or beat them); the narrow grid is part of the whole one."""
-    from benchmarks.kernels import bench_fp8
+    """``bench_fp8 --sweep`` and ``--sweep narrow`` (their grids printed, no
+    GPU needed) try the tiles the engine takes for Llama-3.1-8B's products at
+    one row and at 64, so a sweep can confirm or beat them; the narrow grid
+    is part of the whole one."""
     from engine.layers import fp8_skinny
 
+    def grid(*sweep: str) -> dict[int, set[fp8_skinny.Tiles]]:
+        cmd = [sys.executable, "-m", "benchmarks.kernels.bench_fp8", "--rows", "1", "64",
+               "--print-sweep", "--sweep", *sweep]  # fmt: skip
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out = json.loads(done.stdout)
+        return {int(m): {fp8_skinny.Tiles(**t) for t in ts} for m, ts in out.items()}
+
+    whole, narrow = grid(), grid("narrow")
+    assert set(whole) == set(narrow) == {1, 64}
     shapes = {
         "qkv": (6144, 4096),
         "o": (4096, 4096),
         "gate_up": (28672, 4096),
         "down": (4096, 14336),
     }
-    for rows_tile in (fp8_skinny.BLOCK_M, 64):
-        whole, narrow = bench_fp8.sweep_tiles(rows_tile), bench_fp8.sweep_tiles(rows_tile, True)
-        assert set(narrow) <= set(whole) and len(narrow) < len(whole)
+    for m in (1, 64):
+        assert narrow[m] < whole[m]
         for name, (n, k) in shapes.items():
-            t = fp8_skinny.tiles(n, k, rows_tile)
-            assert t in narrow, (name, rows_tile, t)
-    args = bench_fp8.build_parser().parse_args
-    assert [args([]).sweep, args(["--sweep"]).sweep, args(["--sweep", "narrow"]).sweep] == [
-        None, "all", "narrow",
-    ]  # fmt: skip
+            t = fp8_skinny.tiles(n, k, fp8_skinny.block_m(m))
+            assert t in narrow[m], (name, m, t)

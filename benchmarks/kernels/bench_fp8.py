@@ -34,6 +34,7 @@ Writes a JSON record to ``--output-file``.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import torch
@@ -178,12 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="only these products (default: all four)",
     )
+    p.add_argument(
+        "--print-sweep",
+        action="store_true",
+        help="print the tiles --sweep would try at each row count, as JSON, and exit (no GPU)",
+    )
     p.add_argument("--output-file", default=None)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.print_sweep:
+        grids = {
+            m: [t._asdict() for t in sweep_tiles(fp8_skinny.block_m(m), args.sweep == "narrow")]
+            for m in args.rows
+            if m <= fp8_skinny.MAX_ROWS
+        }
+        print(json.dumps(grids))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8 needs a CUDA device")
     wanted = args.projections or ("qkv", "o", "gate_up", "down")
