@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,86 +179,97 @@ def main(argv: list[str] | None = None) -> int:
         print(why, file=sys.stderr)
         return 1
     if args.kernel == "fp8-products":
-        return _fp8_products(args, argv)
+        header = (
+            f"{'rows':>4} {'product':<8} {'tiles (n, k, split, warps, stages)':<36} "
+            f"{'programs':>8} {'regs':>4} {'shared':>7} {'blocks/SM':>9} {'SMs busy':>8} "
+            f"{'waves':>5}"
+        )
+        return _table(args, argv, header, measure_fp8, _fp8_line, f"fp8-products-{args.model}")
     if args.kernel == "fp8-activations":
-        return _fp8_activations(args, argv)
-    rows: list[dict[str, Any]] = []
-    print(
+        header = (
+            f"{'rows':>4} {'kernel':<26} {'width':>6} {'warps':>5} {'regs':>4} {'stack':>5} "
+            f"{'instructions':>12} {'issue cycles':>12}"
+        )
+        return _table(
+            args, argv, header, measure_fp8_activations, _activation_line,
+            f"fp8-activations-{args.model}",
+        )  # fmt: skip
+    header = (
         f"{'batch':>5} {'variant':<16} {'tile':>4} {'warps':>5} {'regs':>4} {'stack':>5} "
         f"{'shared':>7} {'warps/SM':>8} {'loop':>5} {'/token':>6}  byte loads, ldmatrix"
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        for batch in args.batch_sizes:
-            for name in args.variants:
-                r = measure(
-                    args.model, args.kv_dtype, batch, Variant(name, "auto", "NHD"), Path(tmp)
-                )
-                rows.append(r)
-                loop = r["loop"]
-                byte_loads = sum(v for k, v in loop.items() if k in ("LDS.U8", "LDS.S8"))
-                ldsm = sum(v for k, v in loop.items() if k.startswith("LDSM"))
-                print(
-                    f"{batch:>5} {name:<16} {r['tile_tokens']:>4} {r['plan']['warps']:>5} "
-                    f"{r['registers']:>4} {r['stack_bytes']:>5} {r['shared_bytes']:>7} "
-                    f"{r['warps_per_sm']:>8} {r['loop_instructions']:>5} "
-                    f"{r['instructions_per_token']:>6.1f}  {byte_loads}, {ldsm}"
-                )
-    _record(args, argv, rows, f"kernel-sass-{args.model}-{args.kv_dtype}")
-    return 0
+
+    def attention(preset: str, batch: int, workdir: Path) -> list[dict]:
+        return [
+            measure(preset, args.kv_dtype, batch, Variant(name, "auto", "NHD"), workdir)
+            for name in args.variants
+        ]
+
+    stem = f"{args.model}-{args.kv_dtype}"
+    return _table(args, argv, header, attention, _attention_line, stem)
 
 
-def _record(args: argparse.Namespace, argv: list[str] | None, rows: list, stem: str) -> None:
+def _table(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    header: str,
+    measure_rows: Callable[[str, int, Path], list[dict]],
+    line: Callable[[dict], str],
+    stem: str,
+) -> int:
+    """Measure at each batch size, print a line a result under ``header``,
+    and write the record (``kernel-sass-<stem>``)."""
     import triton
 
+    rows: list[dict[str, Any]] = []
+    print(header)
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in args.batch_sizes:
+            for r in measure_rows(args.model, batch, Path(tmp)):
+                rows.append(r)
+                print(line(r))
     body = {"triton": triton.__version__, "target": "sm_90", "kernel": args.kernel, "results": rows}
     write_record(
-        "benchmarks.kernels.kernel_sass", argv, body, args.output_file, stem, machine=machine("cpu")
+        "benchmarks.kernels.kernel_sass",
+        argv,
+        body,
+        args.output_file,
+        f"kernel-sass-{stem}",
+        machine=machine("cpu"),
     )
-
-
-def _fp8_products(args: argparse.Namespace, argv: list[str] | None) -> int:
-    rows: list[dict[str, Any]] = []
-    print(
-        f"{'rows':>4} {'product':<8} {'tiles (n, k, split, warps, stages)':<36} {'programs':>8} "
-        f"{'regs':>4} {'shared':>7} {'blocks/SM':>9} {'SMs busy':>8} {'waves':>5}"
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        for batch in args.batch_sizes:
-            for r in measure_fp8(args.model, batch, Path(tmp)):
-                rows.append(r)
-                if "tiles" not in r:
-                    print(f"{batch:>4} {r['product']:<8} (not this kernel's)")
-                    continue
-                t = r["tiles"]
-                tiles = (
-                    f"{t['block_n']}, {t['block_k']}, {t['split_k']}, {t['warps']}, {t['stages']}"
-                )
-                print(
-                    f"{batch:>4} {r['product']:<8} {tiles:<36} {r['programs']:>8} "
-                    f"{r['registers']:>4} {r['shared_bytes']:>7} {r['blocks_per_sm']:>9} "
-                    f"{r['sms_busy']:>8} {r['waves']:>5.2f}"
-                )
-    _record(args, argv, rows, f"kernel-sass-fp8-products-{args.model}")
     return 0
 
 
-def _fp8_activations(args: argparse.Namespace, argv: list[str] | None) -> int:
-    rows: list[dict[str, Any]] = []
-    print(
-        f"{'rows':>4} {'kernel':<26} {'width':>6} {'warps':>5} {'regs':>4} {'stack':>5} "
-        f"{'instructions':>12} {'issue cycles':>12}"
+def _attention_line(r: dict) -> str:
+    loop = r["loop"]
+    byte_loads = sum(v for k, v in loop.items() if k in ("LDS.U8", "LDS.S8"))
+    ldsm = sum(v for k, v in loop.items() if k.startswith("LDSM"))
+    return (
+        f"{r['batch_size']:>5} {r['variant']:<16} {r['tile_tokens']:>4} {r['plan']['warps']:>5} "
+        f"{r['registers']:>4} {r['stack_bytes']:>5} {r['shared_bytes']:>7} "
+        f"{r['warps_per_sm']:>8} {r['loop_instructions']:>5} "
+        f"{r['instructions_per_token']:>6.1f}  {byte_loads}, {ldsm}"
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        for batch in args.batch_sizes:
-            for r in measure_fp8_activations(args.model, batch, Path(tmp)):
-                rows.append(r)
-                print(
-                    f"{batch:>4} {r['kernel']:<26} {r['width']:>6} {r['warps']:>5} "
-                    f"{r['registers']:>4} {r['stack_bytes']:>5} {r['instructions']:>12} "
-                    f"{r['issue_cycles']:>12.0f}"
-                )
-    _record(args, argv, rows, f"kernel-sass-fp8-activations-{args.model}")
-    return 0
+
+
+def _fp8_line(r: dict) -> str:
+    if "tiles" not in r:
+        return f"{r['rows']:>4} {r['product']:<8} (not this kernel's)"
+    t = r["tiles"]
+    tiles = f"{t['block_n']}, {t['block_k']}, {t['split_k']}, {t['warps']}, {t['stages']}"
+    return (
+        f"{r['rows']:>4} {r['product']:<8} {tiles:<36} {r['programs']:>8} "
+        f"{r['registers']:>4} {r['shared_bytes']:>7} {r['blocks_per_sm']:>9} "
+        f"{r['sms_busy']:>8} {r['waves']:>5.2f}"
+    )
+
+
+def _activation_line(r: dict) -> str:
+    return (
+        f"{r['rows']:>4} {r['kernel']:<26} {r['width']:>6} {r['warps']:>5} "
+        f"{r['registers']:>4} {r['stack_bytes']:>5} {r['instructions']:>12} "
+        f"{r['issue_cycles']:>12.0f}"
+    )
 
 
 if __name__ == "__main__":
