@@ -137,22 +137,19 @@ def sweep_tiles(rows_tile: int, narrow: bool = False) -> list[fp8_skinny.Tiles]:
     tiles) still run in one wave. ``narrow``: 4 warps on 32- and 64-row
     tiles, the two longest k tiles, splits of 1, 2 and 4."""
     wide = rows_tile > fp8_skinny.BLOCK_M
-    if narrow:
-        return [
-            fp8_skinny.Tiles(bn, bk, sk, 4, stages)
-            for bn in (32, 64)
-            for bk in ((128, 256) if wide else (256, 512))
-            for sk in (1, 2, 4)
-            for stages in ((2, 3) if wide else (2, 3, 4))
-        ]
-    return [
+    k_tiles = (128, 256) if wide else (128, 256, 512)
+    grid = [
         fp8_skinny.Tiles(bn, bk, sk, warps, stages)
         for bn in (32, 64, 128)
-        for bk in ((128, 256) if wide else (128, 256, 512))
+        for bk in k_tiles
         for sk in (1, 2, 4, 8)
         for warps in ((4, 8) if bn == 128 else (4,))
         for stages in ((2, 3) if wide else (2, 3, 4))
     ]
+    if narrow:
+        longest = k_tiles[-2:]
+        return [t for t in grid if t.block_n <= 64 and t.block_k in longest and t.split_k <= 4]
+    return grid
 
 
 def build_parser() -> argparse.ArgumentParser:
