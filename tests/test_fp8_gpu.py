@@ -248,3 +248,29 @@ def test_an_fp8_prefill_quantizes_in_the_norm_and_silu_kernels(
     print(f"fused against separate quantization: logits {rel:.2e} apart")
     assert rel < 2e-2
     runner.pool.allocator.free(pages)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_gated_mlp_gives_the_three_kernels_logits(
+    batch_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode batch of up to ``fp8_skinny.DEFERRED_ROWS`` rows runs each MLP
+    as two kernels (``linear.gated_mlp``: no SiLU-and-mul kernel), with the
+    logits of the three separate kernels (the same numbers but for the order
+    of the products' sums over their k tiles), eager and replayed."""
+    runner = _runner(8, quantization="fp8")
+    runner.pool.kv.normal_()
+    batch = build_forward_batch(decode_specs(runner, batch_size), PAGE_SIZE, "cuda:0")
+    calls = []
+    real = fp8_quant.silu_mul_quantize
+    monkeypatch.setattr(fp8_quant, "silu_mul_quantize", lambda x: calls.append(1) or real(x))
+    with torch.inference_mode():
+        gated = assert_graph_equals_eager(runner, batch)
+        assert not calls
+        monkeypatch.setattr(linear, "GATED_MLP", False)
+        separate = eager_logits(runner, runner.attn, batch).float()
+        assert len(calls) == runner.model_config.num_layers
+    rel = ((gated.float() - separate).norm() / separate.norm()).item()
+    print(f"gated MLP against three kernels: logits {rel:.2e} apart")
+    assert rel < 1e-3
+    assert torch.equal(gated.argmax(-1), separate.argmax(-1))

@@ -194,6 +194,70 @@ def test_silu_mul_and_quantization_in_one_kernel() -> None:
     _within_a_step(got.q, want_q)
 
 
+@interpreted
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gated_mlp_gives_the_separate_kernels_numbers(rows: int) -> None:
+    """``fp8_skinny.gated`` (gate/up with SiLU-and-mul in its epilogue) then
+    the down product on its ``Deferred`` rows: the SiLU product equal to
+    what the gate/up product and ``silu_mul_quantize`` make, its quantized
+    rows and so the MLP's output equal to those of the three kernels; and
+    against float64 of the quantized operands."""
+    from engine.layers import fp8_quant, fp8_skinny
+    from engine.layers.fp8_quant import Deferred, Quantized
+
+    g = torch.Generator().manual_seed(rows)
+    hidden, inter = 128, 192  # 3 gate tiles of 64: maxima over 3 programs a row
+    x = Quantized(*fp8.quantize_rows(torch.randn(rows, hidden, generator=g)), torch.float16)
+    w13, s13 = fp8.quantize_rows(torch.randn(2 * inter, hidden, generator=g) * 0.2)
+    w2, s2 = fp8.quantize_rows(torch.randn(hidden, inter, generator=g) * 0.1)
+    t = fp8_skinny.Tiles(64, 64, 1, 4, 2)
+
+    h = fp8_skinny.gated(x, w13, s13, t)
+    assert isinstance(h, Deferred) and h.shape == (rows, inter) and h.maxes.shape == (rows, 3)
+    gate_up = fp8_skinny.run(x, w13, s13, None, t)  # the separate kernels
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want_h = (gate / (1.0 + torch.exp(-gate)) * up).to(torch.float16)
+    assert torch.equal(h.rows, want_h)
+    assert torch.equal(h.maxes.amax(dim=1), want_h.float().abs().amax(dim=1))
+    separate = fp8_quant.silu_mul_quantize(gate_up)
+
+    down = fp8_skinny.Tiles(64, 64, 1, 4, 2)
+    got = fp8_skinny.run(h, w2, s2, None, down)
+    want = fp8_skinny.run(separate, w2, s2, None, down)
+    assert got.dtype == torch.float16 and torch.equal(got, want)
+    ref = fp8.dequantize_rows(separate.q, separate.scale).double() @ (
+        fp8.dequantize_rows(w2, s2).double().t()
+    )
+    atol = 1e-3 * ref.abs().amax(dim=1, keepdim=True)
+    assert ((got.double() - ref).abs() <= 2e-3 * ref.abs() + atol).all()
+    # Split over K: the deferred rows quantized alike in every split.
+    split = fp8_skinny.run(h, w2, s2, None, down._replace(split_k=3))
+    assert ((split.double() - ref).abs() <= 2e-3 * ref.abs() + atol).all()
+
+
+def test_what_takes_the_gated_mlp() -> None:
+    from engine.layers import fp8_skinny
+    from engine.layers.fp8_quant import Deferred, Quantized
+
+    w13 = torch.zeros(28672, 4096, dtype=fp8.E4M3)
+    w2 = torch.zeros(4096, 14336, dtype=fp8.E4M3)
+    for m in (1, fp8_skinny.DEFERRED_ROWS):
+        x = Quantized(torch.zeros(m, 4096, dtype=fp8.E4M3), torch.ones(m), torch.bfloat16)
+        t = fp8_skinny.gated_fits(x, w13)
+        assert t is not None and t.split_k == 1 and 14336 % t.block_n == 0
+        h = Deferred(torch.zeros(m, 14336, dtype=torch.bfloat16), torch.zeros(m, 14336 // 64))
+        assert fp8_skinny.fits(h, w2) is not None
+    m = fp8_skinny.DEFERRED_ROWS + 1
+    x = Quantized(torch.zeros(m, 4096, dtype=fp8.E4M3), torch.ones(m), torch.bfloat16)
+    assert fp8_skinny.gated_fits(x, w13) is None  # too many rows to quantize as loaded
+    h = Deferred(torch.zeros(m, 14336, dtype=torch.bfloat16), torch.zeros(m, 224))
+    assert fp8_skinny.fits(h, w2) is None
+    with pytest.raises(ValueError, match="deferred rows"):
+        fp8_skinny.run(h, w2, torch.ones(4096), None, fp8_skinny.Tiles(64, 256, 1, 4, 4))
+    one = Quantized(x.q[:1], x.scale[:1], x.dtype)
+    assert fp8_skinny.gated_fits(one, w13[:-1]) is None  # an odd number of weight rows
+
+
 def test_the_sweeps_hold_the_engines_tiles() -> None:
     """``bench_fp8 --sweep`` and ``--sweep narrow`` (their grids printed, no
     GPU needed) try the tiles the engine takes for Llama-3.1-8B's products at

@@ -139,6 +139,25 @@ def test_fp8_few_rows(name: str, bias: bool, launches: list[Launch]) -> None:
     compile_all(launches, 4)
 
 
+@pytest.mark.parametrize("rows", [1, fp8_skinny.DEFERRED_ROWS])
+def test_fp8_gated_mlp(rows: int, launches: list[Launch]) -> None:
+    """Llama-3.1-8B's MLP in two kernels: gate/up with SiLU-and-mul in its
+    epilogue, then down quantizing its rows as it loads them."""
+    (n, k), (n2, k2) = LLAMA["gate_up"], LLAMA["down"]
+    x = Quantized(
+        _empty(rows, k, dtype=fp8.E4M3), _empty(rows, dtype=torch.float32), torch.bfloat16
+    )
+    w13 = _empty(n, k, dtype=fp8.E4M3)
+    t = fp8_skinny.gated_fits(x, w13)
+    assert t is not None
+    h = fp8_skinny.gated(x, w13, _empty(n, dtype=torch.float32), t)
+    w2 = _empty(n2, k2, dtype=fp8.E4M3)
+    t2 = fp8_skinny.fits(h, w2)
+    assert t2 is not None
+    fp8_skinny.run(h, w2, _empty(n2, dtype=torch.float32), None, t2)
+    compile_all(launches, 2)
+
+
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_fp8_activation_quantization(k: int, launches: list[Launch]) -> None:
     fp8_quant.quantize_rows(_empty(64, k))

@@ -28,6 +28,13 @@ kernel on quantized rows over a grid of tiles at every row count it takes (up
 to ``fp8_skinny.MAX_ROWS``), and records the best; ``--sweep narrow`` over the
 part of that grid one GPU call times for all four products (4 warps, 32- and
 64-row tiles).
+
+``--mlp`` times the whole FP8 MLP instead, at each row count up to
+``fp8_skinny.DEFERRED_ROWS``, on a quantized input: ``separate`` (the gate/up
+product, ``fp8_quant.silu_mul_quantize``, the down product: three kernels)
+against ``gated`` (``fp8_skinny.gated``, then the down product on its
+``Deferred`` rows), the engine's gated tiles and a grid of others, every
+output checked against the separate kernels'.
 Writes a JSON record to ``--output-file``.
 """
 
@@ -41,7 +48,7 @@ import torch
 
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_gemv import L2_BYTES, graph_us, rel_err, shapes
-from engine.layers import fp8, fp8_skinny, gemv
+from engine.layers import fp8, fp8_quant, fp8_skinny, gemv
 from engine.layers.fp8_quant import Quantized
 from engine.layers.linear import any_linear
 from engine.presets import PRESETS
@@ -97,6 +104,51 @@ def bench_case(
         row["skinny_best"] = min(
             (r for r in row["skinny_sweep"] if "us" in r), key=lambda r: r["us"]
         )
+    return row
+
+
+def bench_mlp(hidden: int, inter: int, m: int, reps: int) -> dict[str, Any]:
+    """The FP8 MLP of ``m`` rows, three kernels against two (``--mlp``)."""
+    gen = torch.Generator(device="cuda").manual_seed(hidden + inter + m)
+    copies = max(2, int(L2_BYTES // (3 * hidden * inter)))
+
+    def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        return fp8.quantize_rows(w)
+
+    layers = [(weight(2 * inter, hidden), weight(hidden, inter)) for _ in range(copies)]
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    given = Quantized(*fp8.quantize_rows(x), x.dtype)
+
+    def separate(w13: tuple, w2: tuple) -> torch.Tensor:
+        h = fp8_quant.silu_mul_quantize(any_linear(given, w13[0], None, w13[1]))
+        return any_linear(h, w2[0], None, w2[1])
+
+    def gated(w13: tuple, w2: tuple, t: fp8_skinny.Tiles) -> torch.Tensor:
+        return any_linear(fp8_skinny.gated(given, *w13, t), w2[0], None, w2[1])
+
+    want = separate(*layers[0])
+    row: dict[str, Any] = {"rows": m, "hidden": hidden, "intermediate": inter}
+    row["separate_us"] = graph_us([lambda w=w: separate(*w) for w in layers], reps)
+    row["floor_us"] = 3 * hidden * inter / HBM_BYTES_PER_S * 1e6
+    engine = fp8_skinny.gated_fits(given, layers[0][0][0])
+    row["gated_tiles"] = engine._asdict() if engine else None
+    sweep = []
+    grid = [fp8_skinny.Tiles(64, bk, 1, 4, st) for bk in (64, 128, 256) for st in (2, 3, 4)]
+    for t in ([engine] if engine else []) + [t for t in grid if t != engine]:
+        if not fp8_skinny.applies(t, inter, hidden):
+            continue
+        try:
+            got = gated(*layers[0], t)
+        except Exception as e:  # a tile the compiler refuses (shared memory)
+            sweep.append({**t._asdict(), "error": repr(e)[:200]})
+            continue
+        us = graph_us([lambda w=w, t=t: gated(*w, t) for w in layers], reps)
+        sweep.append({**t._asdict(), "us": us, "equal": bool(torch.equal(got, want))})
+    row["gated_sweep"] = sweep
+    timed = [r for r in sweep if "us" in r]
+    row["gated_us"] = timed[0]["us"] if engine and timed else None
+    row["gated_best"] = min(timed, key=lambda r: r["us"]) if timed else None
     return row
 
 
@@ -177,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only these products (default: all four)",
     )
     p.add_argument(
+        "--mlp",
+        action="store_true",
+        help="time the whole FP8 MLP, three kernels against the gated two, at rows <= "
+        f"{fp8_skinny.DEFERRED_ROWS}",
+    )
+    p.add_argument(
         "--print-sweep",
         action="store_true",
         help="print the tiles --sweep would try at each row count, as JSON, and exit (no GPU)",
@@ -197,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8 needs a CUDA device")
+    if args.mlp:
+        return mlp_main(args, argv)
     wanted = args.projections or ("qkv", "o", "gate_up", "down")
     layer = {k: v for k, v in shapes(args.model).items() if k in wanted}
     rows = [
@@ -228,6 +288,35 @@ def main(argv: list[str] | None = None) -> None:
         {"model": args.model, "rows": rows},
         args.output_file,
         f"fp8-{args.model}",
+        machine(),
+    )
+
+
+def mlp_main(args: argparse.Namespace, argv: list[str] | None) -> None:
+    layer = shapes(args.model)
+    if "down" not in layer:
+        raise SystemExit(f"{args.model}: no dense MLP")
+    hidden, inter = layer["down"]
+    rows = [
+        bench_mlp(hidden, inter, m, args.reps) for m in args.rows if m <= fp8_skinny.DEFERRED_ROWS
+    ]
+    print(
+        f"{'rows':>5} {'separate us':>12} {'gated us':>9} {'best gated':>11} {'floor':>7}  best tiles"
+    )
+    for r in rows:
+        b, g = r["gated_best"], r["gated_us"]
+        print(
+            f"{r['rows']:>5} {r['separate_us']:>12.1f} {g if g is None else f'{g:.1f}':>9} "
+            f"{b['us'] if b else float('nan'):>11.1f} {r['floor_us']:>7.1f}  "
+            f"{tuple(b[f] for f in fp8_skinny.Tiles._fields) if b else '-'} "
+            f"equal to separate: {all(x.get('equal', True) for x in r['gated_sweep'])}"
+        )
+    write_record(
+        "benchmarks.kernels.bench_fp8",
+        argv,
+        {"model": args.model, "mlp": rows},
+        args.output_file,
+        f"fp8-mlp-{args.model}",
         machine(),
     )
 

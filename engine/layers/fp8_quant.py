@@ -44,6 +44,24 @@ class Quantized(NamedTuple):
         return self.q.shape
 
 
+class Deferred(NamedTuple):
+    """Rows whose per-token quantization is left to the FP8 product that reads
+    them (``engine.layers.fp8_skinny``): half-precision rows ``[M, K]``, and
+    float32 maxima ``[M, P]`` whose largest in each row is the row's largest
+    magnitude (``fp8_skinny.gated`` writes a maximum per program)."""
+
+    rows: torch.Tensor
+    maxes: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+
 @cache
 def _kernel() -> Any:
     import triton

@@ -20,6 +20,16 @@ product is one kernel.
 Outputs with few row tiles and a long K may also be split over K, the partials
 added by the last split to arrive (``engine.layers.skinny``'s scheme and its
 scratch).
+
+An MLP of up to ``DEFERRED_ROWS`` rows takes two kernels, not three
+(``gated``, then ``run`` on its ``Deferred`` output): the gate/up product
+computes ``silu(gate) * up`` in its epilogue, each program a gate tile and
+the up tile of the same columns, and stores it in the model's dtype with each
+program's largest magnitude per row; the down product reduces those maxima
+to the row's scale and quantizes its k tiles as it loads them. The numbers
+are those of the separate SiLU-and-mul quantization kernel
+(``fp8_quant.silu_mul_quantize``), whose launch, and whose pass over the row
+on a single SM at one row, this saves.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 
 from engine.layers import pdl
-from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Quantized
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Deferred, Quantized
 from engine.layers.skinny import MAX_ROW_TILES, PARTIAL_BYTES, scratch_of
 
 MAX_ROWS = 64
@@ -39,6 +49,9 @@ MAX_ROWS = 64
 on the H200 (docs/benchmarks.md, FP8)."""
 BLOCK_M = 16
 """The narrowest input-row tile: the matrix instructions' narrowest operand."""
+DEFERRED_ROWS = 4
+"""Most rows a product quantizes as it loads them (``Deferred``): each row's
+k tile is quantized on its own, so the cost grows with the rows."""
 
 
 def block_m(m: int) -> int:
@@ -95,11 +108,14 @@ def _kernel() -> Any:
     prologue = pdl.prologue()
 
     @triton.jit
-    def fp8_skinny(x, x_scale, w, w_scale, bias, out, part, count, M, N, stride_x,
+    def fp8_skinny(x, x_scale, w, w_scale, bias, out, part, count, maxes, M, N, stride_x,
                    K: tl.constexpr, FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL_SCALE: tl.constexpr,
-                   PRE_QUANTIZED: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                   PRE_QUANTIZED: tl.constexpr, GATED: tl.constexpr = False,
+                   ROWS: tl.constexpr = 0, PARTS: tl.constexpr = 1,
+                   PARTS_BLOCK: tl.constexpr = 1,
+                   PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         pid_n = tl.program_id(0)
@@ -116,6 +132,15 @@ def _kernel() -> Any:
         if PRE_QUANTIZED:
             # x holds the rows in e4m3 already, their scales in x_scale.
             sx = tl.load(x_scale + ms, mask=m_ok, other=1.0)
+        elif ROWS > 0:
+            # Deferred rows: x in half precision, each row's largest magnitude
+            # spread over PARTS maxima ([ROWS, PARTS] in maxes); the scale as
+            # fp8_quant's kernels find it.
+            sx = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            pp = tl.arange(0, PARTS_BLOCK)
+            for r in tl.static_range(ROWS):
+                a = tl.max(tl.load(maxes + r * PARTS + pp, mask=pp < PARTS, other=0.0), axis=0)
+                sx = tl.where(ms == r, tl.maximum(tl.math.div_rn(a, FP8_MAX), SCALE_FLOOR), sx)
         else:
             amax = tl.zeros([BLOCK_M], dtype=tl.float32)
             if UNROLL_SCALE:
@@ -129,18 +154,44 @@ def _kernel() -> Any:
             sx = tl.maximum(amax / FP8_MAX, SCALE_FLOOR)
         k_len = K // SPLIT_K
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # GATED only
         for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
             wv = tl.load(w + n[:, None] * K + (k0 + kk)[None, :])
-            xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
-            if PRE_QUANTIZED:
-                xq = xv
+            if ROWS > 0:
+                # Row by row, the k tile alone (a row's scale is a reduction
+                # over the tile's rows: the same value, taken out of sx).
+                xf = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
+                for r in tl.static_range(ROWS):
+                    s_r = tl.sum(tl.where(ms == r, sx, 0.0), axis=0)
+                    v = tl.load(x + r * stride_x + k0 + kk).to(tl.float32)
+                    v = tl.clamp(tl.math.div_rn(v, s_r), -FP8_MAX, FP8_MAX)
+                    xf = tl.where(ms[None, :] == r, v[:, None], xf)
+                xq = xf.to(tl.float8e4nv)
             else:
-                xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX)
-                xq = xq.to(tl.float8e4nv)
+                xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
+                if PRE_QUANTIZED:
+                    xq = xv
+                else:
+                    xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX)
+                    xq = xq.to(tl.float8e4nv)
             acc = tl.dot(wv, xq, acc)
+            if GATED:  # the up rows of the same columns, N rows below
+                wu = tl.load(w + (N + n)[:, None] * K + (k0 + kk)[None, :])
+                acc_up = tl.dot(wu, xq, acc_up)
         scale = tl.load(w_scale + n)[:, None] * sx[None, :]
         out_ptrs = out + ms[None, :] * N + n[:, None]
-        if SPLIT_K == 1:
+        if GATED:
+            # fp8_quant.silu_mul_quantize's value: gate and up rounded to the
+            # output dtype as the product would store them, the SiLU product
+            # rounded again; then this tile's largest magnitude per row.
+            dt = out.dtype.element_ty
+            g = (acc * scale).to(dt).to(tl.float32)
+            u = (acc_up * (tl.load(w_scale + N + n)[:, None] * sx[None, :])).to(dt).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g)) * u).to(dt)
+            tl.store(out_ptrs, y, mask=m_ok[None, :])
+            tile_max = tl.max(tl.abs(y.to(tl.float32)), axis=0)
+            tl.store(maxes + ms * (N // BLOCK_N) + pid_n, tile_max, mask=m_ok)
+        elif SPLIT_K == 1:
             y = acc * scale
             if HAS_BIAS:
                 y += tl.load(bias + n).to(tl.float32)[:, None]
@@ -166,11 +217,18 @@ def _kernel() -> Any:
     return fp8_skinny
 
 
-def fits(x: torch.Tensor | Quantized, q: torch.Tensor) -> Tiles | None:
+def _rows(x: torch.Tensor | Quantized | Deferred) -> torch.Tensor:
+    return x.q if isinstance(x, Quantized) else x.rows if isinstance(x, Deferred) else x
+
+
+def fits(x: torch.Tensor | Quantized | Deferred, q: torch.Tensor) -> Tiles | None:
     """The tiles for ``x`` ``[M, K]`` (``M <= MAX_ROWS``, contiguous rows, half
-    precision or already quantized) against the e4m3 weight ``q``, or None."""
-    rows = x.q if isinstance(x, Quantized) else x
+    precision, already quantized, or ``Deferred``: ``M <= DEFERRED_ROWS``)
+    against the e4m3 weight ``q``, or None."""
+    rows = _rows(x)
     if rows.dim() != 2 or not 1 <= rows.shape[0] <= MAX_ROWS or rows.stride(-1) != 1:
+        return None
+    if isinstance(x, Deferred) and rows.shape[0] > DEFERRED_ROWS:
         return None
     # x.dtype: the rows' own, or the dtype quantized rows were made in.
     if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != E4M3 or not q.is_contiguous():
@@ -180,31 +238,90 @@ def fits(x: torch.Tensor | Quantized, q: torch.Tensor) -> Tiles | None:
     return tiles(q.shape[0], q.shape[1], block_m(rows.shape[0]))
 
 
+def gated_tiles(n: int, k: int) -> Tiles | None:
+    """The tiles of ``gated`` for a ``[2n, k]`` gate/up weight (one row tile,
+    no split: the epilogue needs a column's whole sum), or None. Each
+    program streams two weight tiles, so a k tile holds half the bytes of
+    ``tiles``' one-row tile over as many stages."""
+    t = Tiles(64, 128, 1, 4, 4)
+    return t if applies(t, n, k) else None
+
+
+def gated_fits(x: torch.Tensor | Quantized, q: torch.Tensor) -> Tiles | None:
+    """The tiles of ``gated`` for ``x`` ``[M, K]`` against the gate/up weight
+    ``q`` ``[2N, K]`` (``[gate | up]``), or None: at most ``DEFERRED_ROWS``
+    rows, so that the down product can quantize them as it loads them."""
+    if isinstance(x, Deferred) or q.shape[0] % 2 or fits(x, q) is None:
+        return None
+    if _rows(x).shape[0] > DEFERRED_ROWS:
+        return None
+    return gated_tiles(q.shape[0] // 2, q.shape[1])
+
+
 def run(
-    x: torch.Tensor | Quantized,
+    x: torch.Tensor | Quantized | Deferred,
     q: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     t: Tiles,
 ) -> torch.Tensor:
     """The kernel on ``x`` ``[M, K]`` (``M <= MAX_ROWS``), half precision
-    (quantized here) or ``Quantized`` (taken as it is), on any device Triton
-    runs on."""
-    pre = isinstance(x, Quantized)
-    rows = x.q if pre else x
-    x_scale = x.scale if pre else scale  # unread where the kernel quantizes
+    (quantized here), ``Quantized`` (taken as it is) or ``Deferred``
+    (quantized tile by tile as it is loaded), on any device Triton runs on."""
+    rows = _rows(x)
     m, k = rows.shape
     n = q.shape[0]
     rows_tile = block_m(m)
     if m > MAX_ROWS or not applies(t, n, k, rows_tile):
         raise ValueError(f"tiles {t} do not take {m} rows against a [{n}, {k}] weight")
+    if isinstance(x, Deferred) and m > DEFERRED_ROWS:
+        raise ValueError(f"{m} deferred rows: at most {DEFERRED_ROWS}")
     out = torch.empty((m, n), dtype=x.dtype, device=rows.device)
+    _launch(x, q, scale, bias, out, t)
+    return out
+
+
+def gated(x: torch.Tensor | Quantized, q: torch.Tensor, scale: torch.Tensor, t: Tiles) -> Deferred:
+    """``silu(gate) * up`` of ``x @ W.T`` for the gate/up weight ``(q, scale)``
+    ``[2N, K]`` (``[gate | up]``), in ``x``'s dtype, as the rows the down
+    product quantizes (``Deferred``, a maximum per row and program): one
+    kernel, each program a gate tile and the up tile of its columns."""
+    rows = _rows(x)
+    m, k = rows.shape
+    n = q.shape[0] // 2
+    if q.shape[0] % 2 or m > DEFERRED_ROWS or t.split_k != 1 or not applies(t, n, k):
+        raise ValueError(f"tiles {t} do not gate {m} rows against a [{2 * n}, {k}] weight")
+    out = torch.empty((m, n), dtype=x.dtype, device=rows.device)
+    maxes = torch.empty((m, n // t.block_n), dtype=torch.float32, device=rows.device)
+    _launch(x, q, scale, None, out, t, gated_maxes=maxes)
+    return Deferred(out, maxes)
+
+
+def _launch(
+    x: torch.Tensor | Quantized | Deferred,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    t: Tiles,
+    gated_maxes: torch.Tensor | None = None,
+) -> None:
+    """One launch over ``out``'s columns (``gated_maxes``: the gated product's,
+    whose maxima go there)."""
+    rows = _rows(x)
+    m, k = rows.shape
+    n = out.shape[1]
+    pre, deferred = isinstance(x, Quantized), isinstance(x, Deferred)
+    x_scale = x.scale if pre else scale  # unread where the kernel quantizes
     parts, counts = scratch_of(rows.device) if t.split_k > 1 else (out, out)
+    maxes = gated_maxes if gated_maxes is not None else x.maxes if deferred else scale
+    n_parts = maxes.shape[1] if deferred else 1
     _kernel()[(n // t.block_n, t.split_k)](
-        rows, x_scale, q, scale, scale if bias is None else bias, out, parts, counts, m, n,
-        rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR, HAS_BIAS=bias is not None,
-        BLOCK_M=rows_tile, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
-        UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre,
+        rows, x_scale, q, scale, scale if bias is None else bias, out, parts, counts, maxes, m,
+        n, rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        SPLIT_K=t.split_k, UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre,
+        GATED=gated_maxes is not None, ROWS=m if deferred else 0, PARTS=n_parts,
+        PARTS_BLOCK=1 << (n_parts - 1).bit_length(),
         num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(rows.device),
     )  # fmt: skip
-    return out

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.layers import fp8 as fp8_math
 from engine.layers import fp8_quant, fp8_skinny
-from engine.layers.fp8_quant import Quantized
+from engine.layers.fp8_quant import Deferred, Quantized
 from engine.layers.gemv import linear, silu_mul_linear
 
 
@@ -54,7 +54,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias)
         fp8_math.weight_format(self, fp8)
 
-    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized | Deferred) -> torch.Tensor:
         return any_linear(x, self.weight, self.bias, self.weight_scale)
 
     def silu_mul_forward(
@@ -68,7 +68,7 @@ class Linear(nn.Linear):
 
 
 def any_linear(
-    x: torch.Tensor | Quantized,
+    x: torch.Tensor | Quantized | Deferred,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
@@ -76,10 +76,16 @@ def any_linear(
     """``linear``, or the FP8 product where the weight has a scale. On CUDA
     the rows are quantized per token first (unless they come ``Quantized``)
     by the same kernels at every batch size; a few rows then take
-    ``fp8_skinny``, more ``fp8.linear`` (``torch._scaled_mm``)."""
+    ``fp8_skinny``, more ``fp8.linear`` (``torch._scaled_mm``). ``Deferred``
+    rows (``gated_mlp``) only ever meet the weight they were made for."""
     if weight_scale is None:
-        assert not isinstance(x, Quantized), "quantized rows for a full-precision weight"
+        assert not isinstance(x, (Quantized, Deferred)), "FP8 rows for a full-precision weight"
         return linear(x, weight, bias)
+    if isinstance(x, Deferred):
+        t = fp8_skinny.fits(x, weight)
+        if t is None:
+            raise ValueError(f"deferred rows {tuple(x.shape)} for a {tuple(weight.shape)} weight")
+        return fp8_skinny.run(x, weight, weight_scale, bias, t)
     if not isinstance(x, Quantized) and _quantizes_on_cuda(x, weight):
         x = Quantized(*fp8_quant.quantize_rows(x), x.dtype)
     if isinstance(x, Quantized) and x.q.is_cuda:
@@ -110,6 +116,32 @@ def quantized_upstream(layer: nn.Module, rows: torch.Tensor) -> bool:
     if getattr(layer, "weight_scale", None) is None:
         return False
     return _quantizes_on_cuda(rows, layer.weight)
+
+
+GATED_MLP = True
+"""Whether an FP8 MLP of up to ``fp8_skinny.DEFERRED_ROWS`` rows computes
+SiLU-and-mul in its gate/up product (``gated_mlp``)."""
+
+
+def gated_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor | Quantized) -> Deferred | None:
+    """``silu(gate) * up`` of ``gate_up(x)``, for ``down`` to quantize as it
+    loads it (``fp8_skinny.gated``): one kernel in place of the gate/up
+    product and the SiLU-and-mul quantization, with the same numbers. Where
+    both layers hold FP8 weights, no bias, and ``x`` is a few rows quantized
+    on CUDA (as every FP8 MLP's input is there: ``quantized_upstream``); else
+    None."""
+    if not GATED_MLP or not isinstance(x, Quantized) or not x.q.is_cuda:
+        return None
+    if getattr(gate_up, "weight_scale", None) is None or gate_up.bias is not None:
+        return None
+    if getattr(down, "weight_scale", None) is None or getattr(down, "bias", None) is not None:
+        return None
+    t = fp8_skinny.gated_fits(x, gate_up.weight)
+    if t is None or fp8_skinny.tiles(*down.weight.shape) is None:
+        return None
+    if down.weight.shape[1] * 2 != gate_up.weight.shape[0]:
+        return None
+    return fp8_skinny.gated(x, gate_up.weight, gate_up.weight_scale, t)
 
 
 def silu_mul_input(

@@ -17,6 +17,7 @@ from engine.layers import fp8, moe
 from engine.layers.fp8_quant import Quantized
 from engine.layers.gemv import linear
 from engine.layers.kernels import LayerKernels, RotaryInput
+from engine.layers.linear import gated_mlp
 from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -112,6 +113,9 @@ class MLP(nn.Module):
         self.down_proj = tp_layers.down_proj(cfg, tp, inter)
 
     def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+        h = gated_mlp(self.gate_up_proj, self.down_proj, x)
+        if h is not None:
+            return self.down_proj(h)
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x), self.kernels.silu_and_mul)
 
 

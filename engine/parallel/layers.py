@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.layers import fp8 as fp8_math
-from engine.layers.fp8_quant import Quantized
+from engine.layers.fp8_quant import Deferred, Quantized
 from engine.layers.gemv import silu_mul_linear
 from engine.layers.linear import Linear, MergedLinear, any_linear, silu_mul_input
 from engine.model_config import ModelConfig
@@ -62,7 +62,7 @@ class RowParallelLinear(nn.Module):
             return tensor
         return tensor[:, self.cols[0] : self.cols[1]]
 
-    def forward(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Quantized | Deferred) -> torch.Tensor:
         return self.tp.all_reduce(any_linear(x, self.weight, None, self.weight_scale))
 
     def silu_mul_forward(
