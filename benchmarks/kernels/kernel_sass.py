@@ -87,27 +87,36 @@ def measure_fp8(preset: str, rows: int, workdir: Path) -> list[dict]:
     the tiles the engine picks for ``rows`` rows: programs, blocks an SM
     holds, the SMs with a program (the block scheduler spreads them over
     the SMs first; of an H100/H200's 132) and the waves (programs over what
-    all SMs hold at once)."""
+    all SMs hold at once). Up to ``fp8_skinny.DEFERRED_ROWS`` rows also the
+    MLP's two kernels: ``gated`` (gate/up with SiLU-and-mul) and
+    ``down-def`` (down on the ``Deferred`` rows)."""
     from engine.layers import fp8, fp8_skinny
-    from engine.layers.fp8_quant import Quantized
+    from engine.layers.fp8_quant import Deferred, Quantized
     from harness import sm90
 
     out = []
-    # bench_fp8's products: every one-row product but the LM head (bf16).
-    for name, (n, k) in shapes(preset).items():
-        if name == "lm_head":
-            continue
+    # bench_fp8's products: every one-row product but the LM head (bf16);
+    # where the MLP is two kernels, its gated gate/up and its deferred down too.
+    products = [(name, n, k) for name, (n, k) in shapes(preset).items() if name != "lm_head"]
+    if rows <= fp8_skinny.DEFERRED_ROWS and "down" in dict((p[0], p) for p in products):
+        products += [("gated", *shapes(preset)["gate_up"]), ("down-def", *shapes(preset)["down"])]
+    for name, n, k in products:
         weight = torch.empty(n, k, dtype=fp8.E4M3)
         x = Quantized(torch.empty(rows, k, dtype=fp8.E4M3), torch.empty(rows), torch.bfloat16)
-        t = fp8_skinny.fits(x, weight)
+        if name == "down-def":
+            x = Deferred(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(rows, k // 64))
+        t = fp8_skinny.gated_fits(x, weight) if name == "gated" else fp8_skinny.fits(x, weight)
         if t is None:
             out.append({"model": preset, "rows": rows, "product": name, "n": n, "k": k})
             continue
         with sm90.caught_launches() as caught:
-            fp8_skinny.run(x, weight, torch.empty(n), None, t)
+            if name == "gated":
+                fp8_skinny.gated(x, weight, torch.empty(n), t)
+            else:
+                fp8_skinny.run(x, weight, torch.empty(n), None, t)
         compiled = sm90.compile_launch(caught[0])
         s = sm90.sass(compiled.asm["cubin"], workdir)
-        programs = (n // t.block_n) * t.split_k
+        programs = (n // (2 if name == "gated" else 1) // t.block_n) * t.split_k
         per_sm = s.blocks_per_sm(t.warps, compiled.metadata.shared)
         out.append({
             "model": preset, "rows": rows, "product": name, "n": n, "k": k,
