@@ -98,7 +98,7 @@ def measure_fp8(preset: str, rows: int, workdir: Path) -> list[dict]:
     # bench_fp8's products: every one-row product but the LM head (bf16);
     # where the MLP is two kernels, its gated gate/up and its deferred down too.
     products = [(name, n, k) for name, (n, k) in shapes(preset).items() if name != "lm_head"]
-    if rows <= fp8_skinny.DEFERRED_ROWS and "down" in dict((p[0], p) for p in products):
+    if rows <= fp8_skinny.DEFERRED_ROWS and any(p[0] == "down" for p in products):
         products += [("gated", *shapes(preset)["gate_up"]), ("down-def", *shapes(preset)["down"])]
     for name, n, k in products:
         weight = torch.empty(n, k, dtype=fp8.E4M3)
