@@ -257,7 +257,9 @@ def test_gated_mlp_gives_the_three_kernels_logits(
     """A decode batch of up to ``fp8_skinny.DEFERRED_ROWS`` rows runs each MLP
     as two kernels (``linear.gated_mlp``: no SiLU-and-mul kernel), with the
     logits of the three separate kernels (the same numbers but for the order
-    of the products' sums over their k tiles), eager and replayed."""
+    of the products' sums over their k tiles), eager and replayed. (Off by
+    default: ``linear.GATED_MLP``.)"""
+    monkeypatch.setattr(linear, "GATED_MLP", True)  # before the graphs are captured
     runner = _runner(8, quantization="fp8")
     runner.pool.kv.normal_()
     batch = build_forward_batch(decode_specs(runner, batch_size), PAGE_SIZE, "cuda:0")

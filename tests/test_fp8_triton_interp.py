@@ -120,6 +120,10 @@ def test_what_takes_the_kernel() -> None:
     assert fp8_skinny.fits(x[:, :2048], q) is None  # K differs
     wide = torch.zeros(28672, 4096, dtype=fp8.E4M3)
     assert fp8_skinny.fits(x, wide) == fp8_skinny.Tiles(64, 256, 1, 4, 4)  # shorter k tiles
+    # Past PRECISE_K a sum is split in two (the tensor cores' accumulation).
+    long_k = torch.zeros(4096, 14336, dtype=fp8.E4M3)
+    rows = torch.zeros(1, 14336, dtype=torch.bfloat16)
+    assert fp8_skinny.fits(rows, long_k) == fp8_skinny.Tiles(64, 512, 2, 4, 4)
     # A K no tile divides twice: the k tile halves until one does, else none.
     assert fp8_skinny.fits(x[:, :384], q[:, :384].contiguous()) == fp8_skinny.Tiles(
         64, 128, 1, 4, 4

@@ -49,6 +49,12 @@ MAX_ROWS = 64
 on the H200 (docs/benchmarks.md, FP8)."""
 BLOCK_M = 16
 """The narrowest input-row tile: the matrix instructions' narrowest operand."""
+PRECISE_K = 8192
+"""Longest K one program sums unsplit. On sm_90 the e4m3 tensor-core
+instructions accumulate in fewer bits than float32, and Triton lets them
+accumulate a whole K so: Llama's down product (K 14336) unsplit at 16 rows
+came out 4.0e-3 of its norm from float64 (``tests/test_fp8_gpu.py`` holds it
+under 4e-3), split in two within it."""
 DEFERRED_ROWS = 4
 """Most rows a product quantizes as it loads them (``Deferred``): each row's
 k tile is quantized on its own, so the cost grows with the rows."""
@@ -73,14 +79,15 @@ def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
     """The tiles for an ``[n, k]`` e4m3 weight against ``rows_tile`` input
     rows, or None where they do not fit. (The best of sweeps over
     Llama-3.1-8B's shapes. One row tile, on an H100 with rows quantized
-    upstream: no split of K, 64-row tiles over four stages, k tiles of 512
-    for weights of 4096 rows or fewer and of 256 for wider ones. Two or four,
-    on an H200: shorter k tiles over three stages, the shared memory of a
-    wider row tile, and splits of K for all but the wide weights.)"""
+    upstream: 64-row tiles over four stages, k tiles of 512 for weights of
+    4096 rows or fewer and of 256 for wider ones, no split of K but past
+    ``PRECISE_K``. Two or four, on an H200: shorter k tiles over three
+    stages, the shared memory of a wider row tile, and splits of K for all
+    but the wide weights.)"""
     if rows_tile > BLOCK_M:
         t = Tiles(64, 256, 1 if n >= 16384 else 4 if n <= 4096 else 2, 4, 3)
     else:
-        t = Tiles(64, 512 if n <= 4096 else 256, 1, 4, 4)
+        t = Tiles(64, 512 if n <= 4096 else 256, 2 if k > PRECISE_K else 1, 4, 4)
     for c in (t, t._replace(split_k=1)):  # a shorter k tile, then no split, where K needs it
         while c.block_k > 128 and not applies(c, n, k, rows_tile):
             c = c._replace(block_k=c.block_k // 2)

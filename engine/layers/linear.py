@@ -118,9 +118,12 @@ def quantized_upstream(layer: nn.Module, rows: torch.Tensor) -> bool:
     return _quantizes_on_cuda(rows, layer.weight)
 
 
-GATED_MLP = True
+GATED_MLP = False
 """Whether an FP8 MLP of up to ``fp8_skinny.DEFERRED_ROWS`` rows computes
-SiLU-and-mul in its gate/up product (``gated_mlp``)."""
+SiLU-and-mul in its gate/up product (``gated_mlp``). Off: the same numbers,
+but slower than the three kernels on an H100 (``bench_fp8 --mlp``,
+docs/benchmarks.md, FP8): the down product loads its deferred rows row by
+row in every k tile, outside its pipeline."""
 
 
 def gated_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor | Quantized) -> Deferred | None:
