@@ -21,13 +21,13 @@ Outputs with few row tiles and a long K may also be split over K, the partials
 added by the last split to arrive (``engine.layers.skinny``'s scheme and its
 scratch).
 
-An MLP of up to ``DEFERRED_ROWS`` rows takes two kernels, not three
-(``gated``, then ``run`` on its ``Deferred`` output): the gate/up product
+An MLP of up to ``DEFERRED_ROWS`` rows can take two kernels, not three
+(``gated``, then ``run`` on its ``Deferred`` output; ``linear.GATED_MLP``): the gate/up product
 computes ``silu(gate) * up`` in its epilogue, each program a gate tile and
 the up tile of the same columns, and stores it in the model's dtype with each
 program's largest magnitude per row; the down product reduces those maxima
-to the row's scale and quantizes its k tiles as it loads them. The numbers
-are those of the separate SiLU-and-mul quantization kernel
+to the row's scale and quantizes each k tile it streams in (padding rows
+too: the cost does not grow with the rows). The numbers are those of the separate SiLU-and-mul quantization kernel
 (``fp8_quant.silu_mul_quantize``), whose launch, and whose pass over the row
 on a single SM at one row, this saves.
 """
@@ -55,9 +55,9 @@ instructions accumulate in fewer bits than float32, and Triton lets them
 accumulate a whole K so: Llama's down product (K 14336) unsplit at 16 rows
 came out 4.0e-3 of its norm from float64 (``tests/test_fp8_gpu.py`` holds it
 under 4e-3), split in two within it."""
-DEFERRED_ROWS = 4
-"""Most rows a product quantizes as it loads them (``Deferred``): each row's
-k tile is quantized on its own, so the cost grows with the rows."""
+DEFERRED_ROWS = BLOCK_M
+"""Most rows a product quantizes as it loads them (``Deferred``): one row
+tile, whose every element (padding too) each k tile quantizes."""
 
 
 def block_m(m: int) -> int:
@@ -120,7 +120,7 @@ def _kernel() -> Any:
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL_SCALE: tl.constexpr,
                    PRE_QUANTIZED: tl.constexpr, GATED: tl.constexpr = False,
-                   ROWS: tl.constexpr = 0, PARTS: tl.constexpr = 1,
+                   DEFERRED: tl.constexpr = False, PARTS: tl.constexpr = 1,
                    PARTS_BLOCK: tl.constexpr = 1,
                    PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
@@ -139,15 +139,15 @@ def _kernel() -> Any:
         if PRE_QUANTIZED:
             # x holds the rows in e4m3 already, their scales in x_scale.
             sx = tl.load(x_scale + ms, mask=m_ok, other=1.0)
-        elif ROWS > 0:
+        elif DEFERRED:
             # Deferred rows: x in half precision, each row's largest magnitude
-            # spread over PARTS maxima ([ROWS, PARTS] in maxes); the scale as
-            # fp8_quant's kernels find it.
-            sx = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            # spread over PARTS maxima ([M, PARTS] in maxes); the scale as
+            # fp8_quant's kernels find it, and its reciprocal for the loop.
             pp = tl.arange(0, PARTS_BLOCK)
-            for r in tl.static_range(ROWS):
-                a = tl.max(tl.load(maxes + r * PARTS + pp, mask=pp < PARTS, other=0.0), axis=0)
-                sx = tl.where(ms == r, tl.maximum(tl.math.div_rn(a, FP8_MAX), SCALE_FLOOR), sx)
+            parts_ok = (pp < PARTS)[:, None] & m_ok[None, :]
+            mx = tl.load(maxes + ms[None, :] * PARTS + pp[:, None], mask=parts_ok, other=0.0)
+            sx = tl.maximum(tl.math.div_rn(tl.max(mx, axis=0), FP8_MAX), SCALE_FLOOR)
+            inv_sx = tl.math.div_rn(1.0, sx)
         else:
             amax = tl.zeros([BLOCK_M], dtype=tl.float32)
             if UNROLL_SCALE:
@@ -164,23 +164,21 @@ def _kernel() -> Any:
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # GATED only
         for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
             wv = tl.load(w + n[:, None] * K + (k0 + kk)[None, :])
-            if ROWS > 0:
-                # Row by row, the k tile alone (a row's scale is a reduction
-                # over the tile's rows: the same value, taken out of sx).
-                xf = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)
-                for r in tl.static_range(ROWS):
-                    s_r = tl.sum(tl.where(ms == r, sx, 0.0), axis=0)
-                    v = tl.load(x + r * stride_x + k0 + kk).to(tl.float32)
-                    v = tl.clamp(tl.math.div_rn(v, s_r), -FP8_MAX, FP8_MAX)
-                    xf = tl.where(ms[None, :] == r, v[:, None], xf)
-                xq = xf.to(tl.float8e4nv)
+            xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
+            if DEFERRED:
+                # x / sx rounded as an IEEE division (fp8_quant's div_rn), in
+                # three instructions: the quotient by the rounded reciprocal,
+                # its remainder (exact in an fma), one correction (Markstein).
+                xf = xv.to(tl.float32)
+                q0 = xf * inv_sx[None, :]
+                rem = tl.fma(-q0, sx[None, :], xf)
+                xq = tl.fma(rem, inv_sx[None, :], q0)
+                xq = tl.clamp(xq, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+            elif PRE_QUANTIZED:
+                xq = xv
             else:
-                xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
-                if PRE_QUANTIZED:
-                    xq = xv
-                else:
-                    xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX)
-                    xq = xq.to(tl.float8e4nv)
+                xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX)
+                xq = xq.to(tl.float8e4nv)
             acc = tl.dot(wv, xq, acc)
             if GATED:  # the up rows of the same columns, N rows below
                 wu = tl.load(w + (N + n)[:, None] * K + (k0 + kk)[None, :])
@@ -328,7 +326,7 @@ def _launch(
         n, rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR,
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         SPLIT_K=t.split_k, UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre,
-        GATED=gated_maxes is not None, ROWS=m if deferred else 0, PARTS=n_parts,
+        GATED=gated_maxes is not None, DEFERRED=deferred, PARTS=n_parts,
         PARTS_BLOCK=1 << (n_parts - 1).bit_length(),
         num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(rows.device),
     )  # fmt: skip

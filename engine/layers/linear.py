@@ -121,9 +121,10 @@ def quantized_upstream(layer: nn.Module, rows: torch.Tensor) -> bool:
 GATED_MLP = False
 """Whether an FP8 MLP of up to ``fp8_skinny.DEFERRED_ROWS`` rows computes
 SiLU-and-mul in its gate/up product (``gated_mlp``). Off: the same numbers,
-but slower than the three kernels on an H100 (``bench_fp8 --mlp``,
-docs/benchmarks.md, FP8): the down product loads its deferred rows row by
-row in every k tile, outside its pipeline."""
+but its first form, whose down product loaded the deferred rows row by row
+outside its pipeline, was slower than the three kernels on an H100
+(``bench_fp8 --mlp``, docs/benchmarks.md, FP8); the form of today, whose
+rows come through the pipeline with the weight, is not yet measured."""
 
 
 def gated_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor | Quantized) -> Deferred | None:
