@@ -41,6 +41,29 @@ def test_products_match_float64_of_the_quantized_operands(rows: int, n: int, k: 
     assert (err.norm() / ref.norm()).item() < 4e-3
 
 
+def test_precise_sums_are_nearer_float64_over_a_long_k() -> None:
+    """Unsplit over K 14336, the tensor cores' own accumulation drifts from
+    float64 more than sums promoted to float32 every k tile
+    (``Tiles.precise``); ``fp8_skinny.tiles`` splits such a K (``PRECISE_K``)."""
+    g = torch.Generator(device="cuda").manual_seed(16)
+    n, k = 4096, 14336
+    x = torch.randn(16, k, device="cuda", generator=g).to(torch.bfloat16)
+    q, s = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    rows = fp8_quant.Quantized(*fp8.quantize_rows(x), x.dtype)
+    ref = fp8.dequantize_rows(rows.q, rows.scale).double() @ fp8.dequantize_rows(q, s).double().t()
+
+    def err(t: fp8_skinny.Tiles) -> float:
+        got = fp8_skinny.run(rows, q, s, None, t).double()
+        return ((got - ref).norm() / ref.norm()).item()
+
+    unsplit = fp8_skinny.Tiles(64, 512, 1, 4, 4)
+    own, precise = err(unsplit), err(unsplit._replace(precise=True))
+    split = err(fp8_skinny.tiles(n, k))
+    print(f"K {k} from float64: unsplit {own:.2e}, precise {precise:.2e}, split {split:.2e}")
+    assert fp8_skinny.tiles(n, k).split_k == 2
+    assert precise < own and split < 4e-3 and precise < 4e-3
+
+
 def _runner(graph_bs: int, kv_heads: int = 1, **kw: str) -> ModelRunner:
     return small_runner(graph_bs, kv_heads=kv_heads, num_pages=600, max_running_requests=256, **kw)
 

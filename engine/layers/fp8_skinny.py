@@ -73,6 +73,10 @@ class Tiles(NamedTuple):
     stages: int
     unroll_scale: bool = True
     """The scale pass unrolled over K (its loads in flight together)."""
+    precise: bool = False
+    """Each k tile's sum added to a float32 one (Triton's
+    ``max_num_imprecise_acc``), rather than the tensor cores accumulating
+    all of a program's K in their own narrower accumulator (sm_90)."""
 
 
 def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
@@ -121,7 +125,7 @@ def _kernel() -> Any:
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL_SCALE: tl.constexpr,
                    PRE_QUANTIZED: tl.constexpr, GATED: tl.constexpr = False,
                    DEFERRED: tl.constexpr = False, PARTS: tl.constexpr = 1,
-                   PARTS_BLOCK: tl.constexpr = 1,
+                   PARTS_BLOCK: tl.constexpr = 1, PRECISE: tl.constexpr = False,
                    PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
@@ -179,10 +183,10 @@ def _kernel() -> Any:
             else:
                 xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX)
                 xq = xq.to(tl.float8e4nv)
-            acc = tl.dot(wv, xq, acc)
+            acc = tl.dot(wv, xq, acc, max_num_imprecise_acc=BLOCK_K if PRECISE else None)
             if GATED:  # the up rows of the same columns, N rows below
                 wu = tl.load(w + (N + n)[:, None] * K + (k0 + kk)[None, :])
-                acc_up = tl.dot(wu, xq, acc_up)
+                acc_up = tl.dot(wu, xq, acc_up, max_num_imprecise_acc=BLOCK_K if PRECISE else None)
         scale = tl.load(w_scale + n)[:, None] * sx[None, :]
         out_ptrs = out + ms[None, :] * N + n[:, None]
         if GATED:
@@ -325,7 +329,7 @@ def _launch(
         rows, x_scale, q, scale, scale if bias is None else bias, out, parts, counts, maxes, m,
         n, rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR,
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        SPLIT_K=t.split_k, UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre,
+        SPLIT_K=t.split_k, UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre, PRECISE=t.precise,
         GATED=gated_maxes is not None, DEFERRED=deferred, PARTS=n_parts,
         PARTS_BLOCK=1 << (n_parts - 1).bit_length(),
         num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(rows.device),
