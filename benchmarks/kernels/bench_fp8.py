@@ -34,7 +34,8 @@ part of that grid one GPU call times for all four products (4 warps, 32- and
 product, ``fp8_quant.silu_mul_quantize``, the down product: three kernels)
 against ``gated`` (``fp8_skinny.gated``, then the down product on its
 ``Deferred`` rows), the engine's gated tiles and a grid of others, every
-output checked against the separate kernels'.
+output checked against the separate kernels'; at the engine's tiles also
+each of the two kernels alone.
 Writes a JSON record to ``--output-file``.
 """
 
@@ -149,6 +150,16 @@ def bench_mlp(hidden: int, inter: int, m: int, reps: int) -> dict[str, Any]:
     timed = [r for r in sweep if "us" in r]
     row["gated_us"] = timed[0]["us"] if engine and timed else None
     row["gated_best"] = min(timed, key=lambda r: r["us"]) if timed else None
+    if engine and timed:
+        # Each of the two kernels alone at the engine's tiles, where the time goes.
+        hs = [fp8_skinny.gated(given, *w13, engine) for w13, _ in layers]
+        row["gated_alone_us"] = graph_us(
+            [lambda w=w: fp8_skinny.gated(given, *w[0], engine) for w in layers], reps
+        )
+        row["down_deferred_us"] = graph_us(
+            [lambda h=h, w=w: any_linear(h, w[1][0], None, w[1][1]) for h, w in zip(hs, layers)],
+            reps,
+        )
     return row
 
 
@@ -305,12 +316,15 @@ def mlp_main(args: argparse.Namespace, argv: list[str] | None) -> None:
         bench_mlp(hidden, inter, m, args.reps) for m in args.rows if m <= fp8_skinny.DEFERRED_ROWS
     ]
     print(
-        f"{'rows':>5} {'separate us':>12} {'gated us':>9} {'best gated':>11} {'floor':>7}  best tiles"
+        f"{'rows':>5} {'separate us':>12} {'gated us':>9} {'= gated':>8} {'+ down':>7} "
+        f"{'best gated':>11} {'floor':>7}  best tiles"
     )
     for r in rows:
         b, g = r["gated_best"], r["gated_us"]
         print(
             f"{r['rows']:>5} {r['separate_us']:>12.1f} {g if g is None else f'{g:.1f}':>9} "
+            f"{r.get('gated_alone_us', float('nan')):>8.1f} "
+            f"{r.get('down_deferred_us', float('nan')):>7.1f} "
             f"{b['us'] if b else float('nan'):>11.1f} {r['floor_us']:>7.1f}  "
             f"{tuple(b[f] for f in fp8_skinny.Tiles._fields) if b else '-'} "
             f"equal to separate: {all(x.get('equal', True) for x in r['gated_sweep'])}"
