@@ -10,6 +10,7 @@ in a child process started with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -129,6 +130,38 @@ def test_what_takes_the_kernel() -> None:
         64, 128, 1, 4, 4
     )
     assert fp8_skinny.fits(x[:, :200], q[:, :200].contiguous()) is None
+
+
+def test_no_program_sums_a_long_k_in_the_tensor_cores_alone() -> None:
+    """At every dense preset's products and row tile, the engine's tiles
+    split K into sums of at most ``PRECISE_K``, or keep each k tile's sum in
+    float32 (``precise``): on sm_90 the e4m3 tensor cores accumulate in fewer
+    bits, and an unsplit K of 14336 came out over ``tests/test_fp8_gpu.py``'s
+    bound."""
+    from engine.layers import fp8_skinny
+    from engine.model_config import ModelConfig
+    from engine.presets import PRESETS
+
+    seen = 0
+    for preset in PRESETS:
+        c = ModelConfig.from_dict(PRESETS[preset])
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q)]
+        if c.moe is None:
+            shapes += [
+                (2 * c.intermediate_size, c.hidden_size),
+                (c.hidden_size, c.intermediate_size),
+            ]
+        for (n, k), rows_tile in itertools.product(shapes, (16, 32, 64)):
+            t = fp8_skinny.tiles(n, k, rows_tile)
+            if t is None:
+                continue
+            seen += 1
+            assert k // t.split_k <= fp8_skinny.PRECISE_K or t.precise, (preset, n, k, t)
+            assert fp8_skinny.applies(t, n, k, rows_tile)
+    assert seen >= 30
+    # Qwen2.5-7B's down product (K 18944): four sums of 4736.
+    assert fp8_skinny.tiles(3584, 18944) == fp8_skinny.Tiles(64, 128, 4, 4, 4)
 
 
 @interpreted

@@ -50,7 +50,9 @@ on the H200 (docs/benchmarks.md, FP8)."""
 BLOCK_M = 16
 """The narrowest input-row tile: the matrix instructions' narrowest operand."""
 PRECISE_K = 8192
-"""Longest K one program sums unsplit. On sm_90 the e4m3 tensor-core
+"""Longest K one program sums in the tensor cores alone (``tiles`` splits a
+longer one, or, where no split applies, keeps each k tile's sum in float32:
+``Tiles.precise``). On sm_90 the e4m3 tensor-core
 instructions accumulate in fewer bits than float32, and Triton lets them
 accumulate a whole K so: Llama's down product (K 14336) unsplit at 16 rows
 came out 4.0e-3 of its norm from float64 (``tests/test_fp8_gpu.py`` holds it
@@ -84,15 +86,21 @@ def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
     rows, or None where they do not fit. (The best of sweeps over
     Llama-3.1-8B's shapes. One row tile, on an H100 with rows quantized
     upstream: 64-row tiles over four stages, k tiles of 512 for weights of
-    4096 rows or fewer and of 256 for wider ones, no split of K but past
-    ``PRECISE_K``. Two or four, on an H200: shorter k tiles over three
+    4096 rows or fewer and of 256 for wider ones, no split of K but into
+    sums of at most ``PRECISE_K``. Two or four, on an H200: shorter k tiles over three
     stages, the shared memory of a wider row tile, and splits of K for all
     but the wide weights.)"""
     if rows_tile > BLOCK_M:
         t = Tiles(64, 256, 1 if n >= 16384 else 4 if n <= 4096 else 2, 4, 3)
     else:
-        t = Tiles(64, 512 if n <= 4096 else 256, 2 if k > PRECISE_K else 1, 4, 4)
-    for c in (t, t._replace(split_k=1)):  # a shorter k tile, then no split, where K needs it
+        t = Tiles(64, 512 if n <= 4096 else 256, 1, 4, 4)
+    split = 1  # no program sums more than PRECISE_K in the tensor cores alone
+    while k > split * PRECISE_K:
+        split *= 2
+    t = t._replace(split_k=max(t.split_k, split))
+    # A shorter k tile, then no split (each k tile's sum then kept in float32
+    # where K is long), where K needs it.
+    for c in (t, t._replace(split_k=1, precise=k > PRECISE_K)):
         while c.block_k > 128 and not applies(c, n, k, rows_tile):
             c = c._replace(block_k=c.block_k // 2)
         if applies(c, n, k, rows_tile):
