@@ -103,8 +103,10 @@ def measure_fp8(preset: str, rows: int, workdir: Path) -> list[dict]:
     for name, n, k in products:
         weight = torch.empty(n, k, dtype=fp8.E4M3)
         x = Quantized(torch.empty(rows, k, dtype=fp8.E4M3), torch.empty(rows), torch.bfloat16)
-        if name == "down-def":
-            x = Deferred(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(rows, k // 64))
+        if name == "down-def":  # a maximum per program of the gated product before it
+            gate = fp8_skinny.gated_tiles(k, n)
+            parts = k // gate.block_n if gate else 1
+            x = Deferred(torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(rows, parts))
         t = fp8_skinny.gated_fits(x, weight) if name == "gated" else fp8_skinny.fits(x, weight)
         if t is None:
             out.append({"model": preset, "rows": rows, "product": name, "n": n, "k": k})

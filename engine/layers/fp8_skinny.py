@@ -22,12 +22,13 @@ added by the last split to arrive (``engine.layers.skinny``'s scheme and its
 scratch).
 
 An MLP of up to ``DEFERRED_ROWS`` rows can take two kernels, not three
-(``gated``, then ``run`` on its ``Deferred`` output; ``linear.GATED_MLP``): the gate/up product
-computes ``silu(gate) * up`` in its epilogue, each program a gate tile and
-the up tile of the same columns, and stores it in the model's dtype with each
-program's largest magnitude per row; the down product reduces those maxima
-to the row's scale and quantizes each k tile it streams in (padding rows
-too: the cost does not grow with the rows). The numbers are those of the separate SiLU-and-mul quantization kernel
+(``gated``, then ``run`` on its ``Deferred`` output; ``linear.GATED_MLP``):
+the gate/up product computes ``silu(gate) * up`` in its epilogue, each
+program a gate tile and the up tile of the same columns, and stores it in
+the model's dtype with each program's largest magnitude per row; the down
+product reduces those maxima to the row's scale and quantizes each k tile it
+streams in (padding rows too: the cost does not grow with the rows). The
+numbers are those of the separate SiLU-and-mul quantization kernel
 (``fp8_quant.silu_mul_quantize``), whose launch, and whose pass over the row
 on a single SM at one row, this saves.
 """
@@ -52,11 +53,11 @@ BLOCK_M = 16
 PRECISE_K = 8192
 """Longest K one program sums in the tensor cores alone (``tiles`` splits a
 longer one, or, where no split applies, keeps each k tile's sum in float32:
-``Tiles.precise``). On sm_90 the e4m3 tensor-core
-instructions accumulate in fewer bits than float32, and Triton lets them
-accumulate a whole K so: Llama's down product (K 14336) unsplit at 16 rows
-came out 4.0e-3 of its norm from float64 (``tests/test_fp8_gpu.py`` holds it
-under 4e-3), split in two within it."""
+``Tiles.precise``). On sm_90 the e4m3 tensor-core instructions accumulate in
+fewer bits than float32, and Triton lets them accumulate a whole K so:
+Llama's down product (K 14336) unsplit at 16 rows came out 4.0e-3 of its
+norm from float64 (``tests/test_fp8_gpu.py`` holds it under 4e-3), split in
+two within it."""
 DEFERRED_ROWS = BLOCK_M
 """Most rows a product quantizes as it loads them (``Deferred``): one row
 tile, whose every element (padding too) each k tile quantizes."""
@@ -87,9 +88,9 @@ def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
     Llama-3.1-8B's shapes. One row tile, on an H100 with rows quantized
     upstream: 64-row tiles over four stages, k tiles of 512 for weights of
     4096 rows or fewer and of 256 for wider ones, no split of K but into
-    sums of at most ``PRECISE_K``. Two or four, on an H200: shorter k tiles over three
-    stages, the shared memory of a wider row tile, and splits of K for all
-    but the wide weights.)"""
+    sums of at most ``PRECISE_K``. Two or four, on an H200: shorter k tiles
+    over three stages, the shared memory of a wider row tile, and splits of K
+    for all but the wide weights.)"""
     if rows_tile > BLOCK_M:
         t = Tiles(64, 256, 1 if n >= 16384 else 4 if n <= 4096 else 2, 4, 3)
     else:
