@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -38,7 +40,15 @@ class Engine:
         self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
-        self._grammars: GrammarBackend | None = None
+        self._grammars: Future[GrammarBackend] | None = None
+        if self.config.device.startswith("cuda"):
+            # Built while the device warms up and serves its first requests, so
+            # that the first grammar request does not wait seconds for it (on a
+            # CPU the engine makes it on first use, as tests need it rarely).
+            self._grammars = Future()
+            threading.Thread(
+                target=self._load_grammars, name="grammar-backend", daemon=True
+            ).start()
         self._grammar_rids: set[str] = set()
         """Live requests with a grammar: while there are none, a step does no
         grammar work at all."""
@@ -112,14 +122,30 @@ class Engine:
         return req
 
     def grammar_backend(self) -> GrammarBackend:
-        """The model's grammar compiler, made on first use (it loads xgrammar
-        and the tokenizer, which an engine without grammar requests skips)."""
+        """The model's grammar compiler (xgrammar and the tokenizer, which an
+        engine without grammar requests skips on a CPU): made at start-up on
+        CUDA, else on first use."""
         if self._grammars is None:
-            mc = self.model_config
-            self._grammars = GrammarBackend.for_model(
-                self.config.model, mc.vocab_size, mc.eos_token_ids
-            )
-        return self._grammars
+            self._grammars = Future()
+            self._load_grammars()
+        return self._grammars.result()
+
+    def set_grammar_backend(self, backend: GrammarBackend) -> None:
+        """Use ``backend`` (one of another tokenizer's) for grammar requests."""
+        self._grammars = Future()
+        self._grammars.set_result(backend)
+
+    def _load_grammars(self) -> None:
+        """Set ``self._grammars``' result, or the error that making it raised
+        (raised again at every grammar request)."""
+        assert self._grammars is not None
+        mc = self.model_config
+        try:
+            backend = GrammarBackend.for_model(self.config.model, mc.vocab_size, mc.eos_token_ids)
+        except BaseException as e:  # noqa: BLE001 (handed to every request that asks)
+            self._grammars.set_exception(e)
+        else:
+            self._grammars.set_result(backend)
 
     def forget(self, rid: str) -> None:
         """The request id may be used again."""
@@ -177,9 +203,8 @@ class Engine:
         self, batch: ScheduledBatch, sampling: SamplingBatch, inflight: InFlight | None
     ) -> SamplingBatch:
         """``sampling`` with the mask of the batch's grammar rows, if it has any."""
-        assert self._grammars is not None
         step = GrammarStep.for_batch(
-            self._grammars,
+            self.grammar_backend(),
             batch.sample_requests,
             inflight.batch.sample_requests if inflight is not None else None,
             inflight.out if inflight is not None else None,

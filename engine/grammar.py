@@ -438,6 +438,17 @@ def apply_packed_bitmask(logits: torch.Tensor, packed: torch.Tensor, rows: int) 
         logits[row].masked_fill_(forbidden[k], low)
 
 
+def warm_up(vocab_size: int, device: torch.device) -> None:
+    """Compile the CUDA mask kernel now rather than under the first grammar
+    request (the float32 logits the runner samples from)."""
+    if device.type != "cuda" or _cuda_mask() is None:
+        return
+    words = -(-vocab_size // 32)
+    packed = torch.full((1 + words,), -1, dtype=torch.int32, device=device)
+    packed[0] = 0
+    apply_packed_bitmask(torch.zeros(1, vocab_size, device=device), packed, 1)
+
+
 @functools.cache
 def _cuda_mask() -> Callable[[torch.Tensor, torch.Tensor, int], None] | None:
     """The Triton mask kernel, where Triton imports."""

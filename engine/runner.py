@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine import grammar
+from engine import sampling as sampler
 from engine.attention import get_attention_backend, rope_kv_write
 from engine.attention.base import AttentionBackend
 from engine.attention.flashinfer import FlashInferAttention
@@ -186,6 +188,11 @@ class ModelRunner:
                 self.pieces.max_tokens,
                 time.perf_counter() - t0,
             )
+        if self.device.type == "cuda":
+            # Compiled now rather than under the first request of each kind.
+            with torch.inference_mode():
+                sampler.warm_up(model_config.vocab_size, self.device)
+                grammar.warm_up(model_config.vocab_size, self.device)
 
     def _allocate_pool(self, config: EngineConfig, start: tuple[int, int, int] | None) -> int:
         """Allocate ``self.pool`` with ``config.num_pages`` pages, or where that

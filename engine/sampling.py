@@ -237,6 +237,24 @@ def _cuda_sampler() -> (
     return sample_cuda
 
 
+def warm_up(vocab_size: int, device: torch.device) -> None:
+    """Compile the CUDA sampler's kernels now, for every kind of row (greedy;
+    drawn at a temperature; filtered by top-k, by top-p), rather than under
+    the first request of each kind: the OpenAI defaults (temperature 1) and
+    the common top-p are not the greedy rows a start-up forward samples."""
+    if device.type != "cuda" or _cuda_sampler() is None:
+        return
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(),
+        SamplingParams(top_k=2),
+        SamplingParams(top_p=0.9),
+    ]
+    for k, params in enumerate(kinds):
+        rows = SamplingBatch.build([params], [k], [0], vocab_size, device)
+        sample(torch.zeros(1, vocab_size, device=device), rows)
+
+
 def sample_torch(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     """``sample`` in plain tensor ops (any device; the reference)."""
     rows, vocab_size = logits.shape

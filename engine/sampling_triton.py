@@ -76,6 +76,19 @@ M_SEARCH = tl.constexpr(SEARCH)
 M_WHOLE_ROW = tl.constexpr(WHOLE_ROW)
 
 
+# The batch's row count changes from step to step: specialising on it (1, a
+# multiple of 16, other), or on the alignment of the per-row parameters (rows
+# of one tensor, ``SamplingBatch.build``: 16-byte aligned when the count is a
+# multiple of 4), would compile a kernel again under the first request of each
+# kind of batch (``engine.sampling.warm_up`` compiles every kernel at start-up).
+_batch_jit = triton.jit(
+    do_not_specialize=["rows"],
+    do_not_specialize_on_alignment=[
+        "temp_ptr", "topk_ptr", "topp_ptr", "minp_ptr", "seed_ptr", "step_ptr"
+    ],
+)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -197,7 +210,7 @@ def _filters(vocab, topk_ptr, topp_ptr, minp_ptr, row):
 # --------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+@_batch_jit
 def _stats_kernel(
     x_ptr, stride, vocab, rows, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr,
     pf_ptr, pi_ptr,
@@ -241,7 +254,7 @@ def _stats_kernel(
     tl.store(pi_ptr + 1 * plane + slot, best_idx)
 
 
-@triton.jit
+@_batch_jit
 def _pivot_kernel(
     x_ptr, stride, vocab, rows, temp_ptr, topk_ptr, topp_ptr, minp_ptr, pf_ptr, rs_ptr,
     piv_ptr, cnt_ptr, mass_ptr,
@@ -282,7 +295,7 @@ def _pivot_kernel(
         tl.store(mass_ptr + slot, mass)
 
 
-@triton.jit
+@_batch_jit
 def _compact_kernel(
     x_ptr, stride, vocab, rows, temp_ptr, topk_ptr, topp_ptr, minp_ptr, rs_ptr, piv_ptr,
     cnt_ptr, mass_ptr, mode_ptr, cut_ptr, n_ptr, cy_ptr, ci_ptr,
@@ -389,7 +402,7 @@ def _select(
         tl.store(mode_ptr + row, M_SEARCH)
 
 
-@triton.jit
+@_batch_jit
 def _select_kernel(
     vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, rs_ptr, mode_ptr,
     cut_ptr, n_ptr, cy_ptr, ci_ptr, tok_ptr, CAP: tl.constexpr,
@@ -458,7 +471,7 @@ def _search(x_ptr, stride, vocab, row, t, lse, lo, hi, target, MASS: tl.constexp
     return lo
 
 
-@triton.jit
+@_batch_jit
 def _search_kernel(
     x_ptr, stride, vocab, temp_ptr, topk_ptr, topp_ptr, minp_ptr, rs_ptr, mode_ptr, thr_ptr,
     P: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr,
@@ -497,7 +510,7 @@ def _search_kernel(
         tl.store(mode_ptr + row, M_WHOLE_ROW)
 
 
-@triton.jit
+@_batch_jit
 def _draw_kernel(
     x_ptr, stride, vocab, rows, temp_ptr, seed_ptr, step_ptr, mode_ptr, thr_ptr, pf_ptr, pi_ptr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
@@ -524,7 +537,7 @@ def _draw_kernel(
         tl.store(pi_ptr + rows * nsplit + slot, best_idx)
 
 
-@triton.jit
+@_batch_jit
 def _finish_kernel(
     x_ptr, stride, rows, nsplit, temp_ptr, pf_ptr, pi_ptr, mode_ptr, ctok_ptr, tok_ptr, lp_ptr,
     SP: tl.constexpr, SCALED: tl.constexpr, MODES: tl.constexpr,

@@ -104,3 +104,53 @@ def test_cuda_sampler_mixed_batch_rows_independent_of_batch_size() -> None:
     for r in range(0, rows, 37):
         one = SamplingBatch.build([params[r]], [r], [4], vocab, "cuda")
         assert sample_cuda(logits[r : r + 1], one)[0].item() == ids[r].item()
+
+
+def _compiled() -> dict[str, int]:
+    """How many binaries each sampling and grammar-mask kernel holds."""
+    from triton.runtime.jit import JITFunction
+
+    from engine import grammar_triton, sampling_triton
+
+    counts = {}
+    for module in (sampling_triton, grammar_triton):
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction) and name.endswith("_kernel"):
+                counts[name] = sum(len(c[0]) for c in fn.device_caches.values())
+    return counts
+
+
+def test_warm_up_leaves_no_kernel_to_compile_for_any_batch() -> None:
+    """After the start-up warm-up (``sampling.warm_up``, ``grammar.warm_up``,
+    which the runner calls), batches of any size and any kind of row, with a
+    grammar mask, compile nothing: a first request at the OpenAI defaults, or
+    with a json_schema, does not wait for Triton."""
+    from engine import grammar, sampling
+
+    vocab = 32000
+    device = torch.device("cuda")
+    sampling.warm_up(vocab, device)
+    grammar.warm_up(vocab, device)
+    before = _compiled()
+    assert len(before) == 8 and all(before.values()), before
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_p=0.95),
+        SamplingParams(temperature=0.8, top_k=40),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+    ]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for rows in (1, 2, 3, 16, 17, 64):
+        for mixed in (False, True):
+            params = [kinds[(i if mixed else rows) % len(kinds)] for i in range(rows)]
+            logits = torch.randn(rows, vocab, device="cuda", generator=gen)
+            words = -(-vocab // 32)
+            packed = torch.full((rows * (1 + words),), -1, dtype=torch.int32, device="cuda")
+            packed[:rows] = torch.arange(rows, dtype=torch.int32)
+            grammar.apply_packed_bitmask(logits, packed, rows)
+            batch = SamplingBatch.build(params, list(range(rows)), [0] * rows, vocab, "cuda")
+            sampling.sample(logits, batch)
+    torch.cuda.synchronize()
+    assert _compiled() == before

@@ -51,13 +51,13 @@ on the H200 (docs/benchmarks.md, FP8)."""
 BLOCK_M = 16
 """The narrowest input-row tile: the matrix instructions' narrowest operand."""
 PRECISE_K = 8192
-"""Longest K one program sums in the tensor cores alone (``tiles`` splits a
-longer one, or, where no split applies, keeps each k tile's sum in float32:
-``Tiles.precise``). On sm_90 the e4m3 tensor-core instructions accumulate in
+"""Longest K one program sums in the tensor cores alone (``tiles`` keeps
+each k tile's sum of a longer one in float32, ``Tiles.precise``, or splits
+it). On sm_90 the e4m3 tensor-core instructions accumulate in
 fewer bits than float32, and Triton lets them accumulate a whole K so:
 Llama's down product (K 14336) unsplit at 16 rows came out 4.0e-3 of its
-norm from float64 (``tests/test_fp8_gpu.py`` holds it under 4e-3), split in
-two within it."""
+norm from float64 (``tests/test_fp8_gpu.py`` holds it under 4e-3); with
+precise sums, 1.7e-3."""
 DEFERRED_ROWS = BLOCK_M
 """Most rows a product quantizes as it loads them (``Deferred``): one row
 tile, whose every element (padding too) each k tile quantizes."""
@@ -87,18 +87,20 @@ def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
     rows, or None where they do not fit. (The best of sweeps over
     Llama-3.1-8B's shapes. One row tile, on an H100 with rows quantized
     upstream: 64-row tiles over four stages, k tiles of 512 for weights of
-    4096 rows or fewer and of 256 for wider ones, no split of K but into
-    sums of at most ``PRECISE_K``. Two or four, on an H200: shorter k tiles
-    over three stages, the shared memory of a wider row tile, and splits of K
-    for all but the wide weights.)"""
+    4096 rows or fewer and of 256 for wider ones, no split of K, each k
+    tile's sum kept in float32 past ``PRECISE_K``: as fast as the tensor
+    cores' own accumulation, and faster than splitting K in two. Two or four,
+    on an H200: shorter k tiles over three stages, the shared memory of a
+    wider row tile, and splits of K for all but the wide weights, into sums
+    of at most ``PRECISE_K``.)"""
     if rows_tile > BLOCK_M:
         t = Tiles(64, 256, 1 if n >= 16384 else 4 if n <= 4096 else 2, 4, 3)
+        split = 1  # no program sums more than PRECISE_K in the tensor cores alone
+        while k > split * PRECISE_K:
+            split *= 2
+        t = t._replace(split_k=max(t.split_k, split))
     else:
-        t = Tiles(64, 512 if n <= 4096 else 256, 1, 4, 4)
-    split = 1  # no program sums more than PRECISE_K in the tensor cores alone
-    while k > split * PRECISE_K:
-        split *= 2
-    t = t._replace(split_k=max(t.split_k, split))
+        t = Tiles(64, 512 if n <= 4096 else 256, 1, 4, 4, precise=k > PRECISE_K)
     # A shorter k tile, then no split (each k tile's sum then kept in float32
     # where K is long), where K needs it.
     for c in (t, t._replace(split_k=1, precise=k > PRECISE_K)):
@@ -258,12 +260,13 @@ def fits(x: torch.Tensor | Quantized | Deferred, q: torch.Tensor) -> Tiles | Non
 
 def gated_tiles(n: int, k: int) -> Tiles | None:
     """The tiles of ``gated`` for a ``[2n, k]`` gate/up weight (one row tile,
-    no split: the epilogue needs a column's whole sum), or None. Each
-    program streams two weight tiles, so its k tiles are half as long as
-    ``tiles``' one-row ones over wide weights, for the same bytes a stage.
-    (A guess: not yet swept, ``bench_fp8 --mlp``.)"""
-    t = Tiles(64, 128, 1, 4, 4)
-    return t if applies(t, n, k) else None
+    no split: the epilogue needs a column's whole sum), or None. (The best of
+    ``bench_fp8 --mlp``'s sweep on Llama-3.1-8B's MLP, an H100, at 1, 4 and 16
+    rows alike: two weight tiles of 64 x 256 a stage, over four stages.)"""
+    for t in (Tiles(64, 256, 1, 4, 4), Tiles(64, 128, 1, 4, 4)):
+        if applies(t, n, k):
+            return t
+    return None
 
 
 def gated_fits(x: torch.Tensor | Quantized, q: torch.Tensor) -> Tiles | None:
