@@ -124,6 +124,7 @@ def measure_fp8(preset: str, rows: int, workdir: Path) -> list[dict]:
             "model": preset, "rows": rows, "product": name, "n": n, "k": k,
             "tiles": t._asdict(), "programs": programs, "registers": s.registers,
             "stack_bytes": s.stack, "shared_bytes": compiled.metadata.shared,
+            "loop_instructions": s.loop_instructions,
             "blocks_per_sm": per_sm, "sms_busy": min(H200_SMS, programs),
             "waves": programs / (per_sm * H200_SMS),
         })  # fmt: skip

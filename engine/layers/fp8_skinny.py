@@ -27,7 +27,8 @@ the gate/up product computes ``silu(gate) * up`` in its epilogue, each
 program a gate tile and the up tile of the same columns, and stores it in
 the model's dtype with each program's largest magnitude per row; the down
 product reduces those maxima to the row's scale and quantizes each k tile it
-streams in (padding rows too: the cost does not grow with the rows). The
+streams in (padding rows too: the cost does not grow with the rows; one row
+alone, repeated over the tile's columns, where there is one). The
 numbers are those of the separate SiLU-and-mul quantization kernel
 (``fp8_quant.silu_mul_quantize``), whose launch, and whose pass over the row
 on a single SM at one row, this saves.
@@ -137,7 +138,7 @@ def _kernel() -> Any:
                    PRE_QUANTIZED: tl.constexpr, GATED: tl.constexpr = False,
                    DEFERRED: tl.constexpr = False, PARTS: tl.constexpr = 1,
                    PARTS_BLOCK: tl.constexpr = 1, PRECISE: tl.constexpr = False,
-                   PDL: tl.constexpr = False):  # fmt: skip
+                   ONE_ROW: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         pid_n = tl.program_id(0)
@@ -163,6 +164,10 @@ def _kernel() -> Any:
             mx = tl.load(maxes + ms[None, :] * PARTS + pp[:, None], mask=parts_ok, other=0.0)
             sx = tl.maximum(tl.math.div_rn(tl.max(mx, axis=0), FP8_MAX), SCALE_FLOOR)
             inv_sx = tl.math.div_rn(1.0, sx)
+            if ONE_ROW:  # the same scale, of the one row, as a scalar
+                mx1 = tl.load(maxes + pp, mask=pp < PARTS, other=0.0)
+                sx1 = tl.maximum(tl.math.div_rn(tl.max(mx1, axis=0), FP8_MAX), SCALE_FLOOR)
+                inv_sx1 = tl.math.div_rn(1.0, sx1)
         else:
             amax = tl.zeros([BLOCK_M], dtype=tl.float32)
             if UNROLL_SCALE:
@@ -179,8 +184,17 @@ def _kernel() -> Any:
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # GATED only
         for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
             wv = tl.load(w + n[:, None] * K + (k0 + kk)[None, :])
-            xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
-            if DEFERRED:
+            if ONE_ROW:
+                # One deferred row: its k tile quantized alone (as below) and
+                # repeated over the tile's columns, not 16 rows quantized;
+                # the padding columns' sums are never stored.
+                xf = tl.load(x + k0 + kk).to(tl.float32)
+                q0 = xf * inv_sx1
+                xq1 = tl.fma(tl.fma(-q0, sx1, xf), inv_sx1, q0)
+                xq1 = tl.clamp(xq1, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+                xq = tl.broadcast_to(xq1[:, None], (BLOCK_K, BLOCK_M))
+            elif DEFERRED:
+                xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
                 # x / sx rounded as an IEEE division (fp8_quant's div_rn), in
                 # three instructions: the quotient by the rounded reciprocal,
                 # its remainder (exact in an fma), one correction (Markstein).
@@ -190,8 +204,9 @@ def _kernel() -> Any:
                 xq = tl.fma(rem, inv_sx[None, :], q0)
                 xq = tl.clamp(xq, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
             elif PRE_QUANTIZED:
-                xq = xv
+                xq = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
             else:
+                xv = tl.load(xs + k0, mask=m_ok[None, :], other=0.0)
                 xq = tl.clamp(xv.to(tl.float32) / sx[None, :], -FP8_MAX, FP8_MAX)
                 xq = xq.to(tl.float8e4nv)
             acc = tl.dot(wv, xq, acc, max_num_imprecise_acc=BLOCK_K if PRECISE else None)
@@ -343,7 +358,8 @@ def _launch(
         n, rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR,
         HAS_BIAS=bias is not None, BLOCK_M=block_m(m), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         SPLIT_K=t.split_k, UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre, PRECISE=t.precise,
-        GATED=gated_maxes is not None, DEFERRED=deferred, PARTS=n_parts,
+        GATED=gated_maxes is not None, DEFERRED=deferred, ONE_ROW=deferred and m == 1,
+        PARTS=n_parts,
         PARTS_BLOCK=1 << (n_parts - 1).bit_length(),
         num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(rows.device),
     )  # fmt: skip
