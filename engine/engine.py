@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_device
 from engine.grammar import GrammarBackend, GrammarStep
 from engine.host_copy import to_device
 from engine.model_config import ModelConfig
@@ -34,21 +34,24 @@ class Engine:
     def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
         model_config = ModelConfig.load(config.model, config.torch_dtype)
         self.model_config = model_config
+        self._grammars: Future[GrammarBackend] | None = None
+        if resolve_device(config.device).startswith("cuda"):
+            # Built while the weights load and the graphs are captured, so
+            # that the first grammar request does not wait seconds for it (on
+            # a CPU the engine makes it on first use: tests need it rarely).
+            self._grammars = Future()
+            threading.Thread(
+                target=self._load_grammars,
+                args=(config.model,),
+                name="grammar-backend",
+                daemon=True,
+            ).start()
         self.runner = make_runner(config.resolve(model_config), model_config)
         self.config = self.runner.config
         """Resolved, with the KV pool's size (the runner may size it from the device)."""
         self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
-        self._grammars: Future[GrammarBackend] | None = None
-        if self.config.device.startswith("cuda"):
-            # Built while the device warms up and serves its first requests, so
-            # that the first grammar request does not wait seconds for it (on a
-            # CPU the engine makes it on first use, as tests need it rarely).
-            self._grammars = Future()
-            threading.Thread(
-                target=self._load_grammars, name="grammar-backend", daemon=True
-            ).start()
         self._grammar_rids: set[str] = set()
         """Live requests with a grammar: while there are none, a step does no
         grammar work at all."""
@@ -127,7 +130,7 @@ class Engine:
         CUDA, else on first use."""
         if self._grammars is None:
             self._grammars = Future()
-            self._load_grammars()
+            self._load_grammars(self.config.model)
         return self._grammars.result()
 
     def set_grammar_backend(self, backend: GrammarBackend) -> None:
@@ -135,13 +138,13 @@ class Engine:
         self._grammars = Future()
         self._grammars.set_result(backend)
 
-    def _load_grammars(self) -> None:
+    def _load_grammars(self, model_dir: str) -> None:
         """Set ``self._grammars``' result, or the error that making it raised
         (raised again at every grammar request)."""
         assert self._grammars is not None
         mc = self.model_config
         try:
-            backend = GrammarBackend.for_model(self.config.model, mc.vocab_size, mc.eos_token_ids)
+            backend = GrammarBackend.for_model(model_dir, mc.vocab_size, mc.eos_token_ids)
         except BaseException as e:  # noqa: BLE001 (handed to every request that asks)
             self._grammars.set_exception(e)
         else:
