@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import random
-import threading
 from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
 
-from engine.config import EngineConfig, resolve_device
+from engine.config import EngineConfig
 from engine.grammar import GrammarBackend, GrammarStep
 from engine.host_copy import to_device
 from engine.model_config import ModelConfig
@@ -35,21 +34,17 @@ class Engine:
         model_config = ModelConfig.load(config.model, config.torch_dtype)
         self.model_config = model_config
         self._grammars: Future[GrammarBackend] | None = None
-        if resolve_device(config.device).startswith("cuda"):
-            # Built while the weights load and the graphs are captured, so
-            # that the first grammar request does not wait seconds for it (on
-            # a CPU the engine makes it on first use: tests need it rarely).
-            self._grammars = Future()
-            threading.Thread(
-                target=self._load_grammars,
-                args=(config.model,),
-                name="grammar-backend",
-                daemon=True,
-            ).start()
         self.runner = make_runner(config.resolve(model_config), model_config)
         self.config = self.runner.config
         """Resolved, with the KV pool's size (the runner may size it from the device)."""
         self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
+        if self.config.device.startswith("cuda"):
+            # Made now, before the worker reports healthy, so that the first
+            # grammar request does not wait seconds for it (on a CPU, on first
+            # use: tests need it rarely). Not in a thread beside the weights'
+            # loading and the graph capture: there the start took 10 s longer
+            # on an H100, the two contending for the GIL.
+            self.grammar_backend_or_error()
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
         self._grammar_rids: set[str] = set()
@@ -128,10 +123,16 @@ class Engine:
         """The model's grammar compiler (xgrammar and the tokenizer, which an
         engine without grammar requests skips on a CPU): made at start-up on
         CUDA, else on first use."""
+        return self.grammar_backend_or_error().result()
+
+    def grammar_backend_or_error(self) -> Future[GrammarBackend]:
+        """The grammar compiler, or the error making it raised (raised again
+        at every grammar request: a model without tokenizer files serves all
+        other requests)."""
         if self._grammars is None:
             self._grammars = Future()
             self._load_grammars(self.config.model)
-        return self._grammars.result()
+        return self._grammars
 
     def set_grammar_backend(self, backend: GrammarBackend) -> None:
         """Use ``backend`` (one of another tokenizer's) for grammar requests."""
@@ -139,13 +140,12 @@ class Engine:
         self._grammars.set_result(backend)
 
     def _load_grammars(self, model_dir: str) -> None:
-        """Set ``self._grammars``' result, or the error that making it raised
-        (raised again at every grammar request)."""
+        """Set ``self._grammars``' result, or the error that making it raised."""
         assert self._grammars is not None
         mc = self.model_config
         try:
             backend = GrammarBackend.for_model(model_dir, mc.vocab_size, mc.eos_token_ids)
-        except BaseException as e:  # noqa: BLE001 (handed to every request that asks)
+        except Exception as e:  # noqa: BLE001 (handed to every request that asks)
             self._grammars.set_exception(e)
         else:
             self._grammars.set_result(backend)
