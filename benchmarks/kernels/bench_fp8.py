@@ -35,7 +35,8 @@ product, ``fp8_quant.silu_mul_quantize``, the down product: three kernels)
 against ``gated`` (``fp8_skinny.gated``, then the down product on its
 ``Deferred`` rows), the engine's gated tiles and a grid of others, every
 output checked against the separate kernels'; at the engine's tiles also
-each of the two kernels alone.
+each of the two kernels alone, and the down product on the deferred rows
+at splits of K of 1, 2 and 4 (time, and error from float64).
 Writes a JSON record to ``--output-file``.
 """
 
@@ -50,7 +51,7 @@ import torch
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_gemv import L2_BYTES, graph_us, rel_err, shapes
 from engine.layers import fp8, fp8_quant, fp8_skinny, gemv
-from engine.layers.fp8_quant import Quantized
+from engine.layers.fp8_quant import Deferred, Quantized
 from engine.layers.linear import any_linear
 from engine.presets import PRESETS
 
@@ -160,7 +161,37 @@ def bench_mlp(hidden: int, inter: int, m: int, reps: int) -> dict[str, Any]:
             [lambda h=h, w=w: any_linear(h, w[1][0], None, w[1][1]) for h, w in zip(hs, layers)],
             reps,
         )
+        row["down_deferred_sweep"] = sweep_deferred(hs, [w2 for _, w2 in layers], m, reps)
     return row
+
+
+def sweep_deferred(
+    hs: list[Deferred], w2s: list[tuple[torch.Tensor, torch.Tensor]], m: int, reps: int
+) -> list[dict[str, Any]]:
+    """The down product on ``m`` deferred rows at splits of K of 1, 2 and 4
+    (precise sums where a split's sum is longer than ``PRECISE_K``; the
+    engine's tiles are ``fp8_skinny.deferred_tiles``), each against float64
+    of the rows as ``silu_mul_quantize`` quantizes them and the weight."""
+    q, s = w2s[0]
+    n, k = q.shape
+    engine = fp8_skinny.deferred_tiles(n, k, m)
+    rows = hs[0].rows
+    top = fp8_quant.E4M3_MAX
+    sx = (hs[0].maxes.amax(dim=1) / top).clamp_min(fp8_quant.SCALE_FLOOR)
+    xq = (rows.float() / sx[:, None]).clamp(-top, top).to(fp8_quant.E4M3)
+    ref = (xq.double() * sx.double()[:, None]) @ fp8.dequantize_rows(q, s).double().t()
+    out = []
+    for split in (1, 2, 4):
+        t = engine._replace(split_k=split, precise=k // split > fp8_skinny.PRECISE_K)
+        if not fp8_skinny.applies(t, n, k):
+            continue
+        got = fp8_skinny.run(hs[0], q, s, None, t).double()
+        us = graph_us(
+            [lambda h=h, w=w, t=t: fp8_skinny.run(h, *w, None, t) for h, w in zip(hs, w2s)], reps
+        )
+        err = ((got - ref).norm() / ref.norm()).item()
+        out.append({**t._asdict(), "us": us, "rel_err": err, "engine": t == engine})
+    return out
 
 
 def sweep_skinny(
@@ -329,6 +360,12 @@ def mlp_main(args: argparse.Namespace, argv: list[str] | None) -> None:
             f"{tuple(b[f] for f in fp8_skinny.Tiles._fields) if b else '-'} "
             f"equal to separate: {all(x.get('equal', True) for x in r['gated_sweep'])}"
         )
+        for d in r.get("down_deferred_sweep", []):
+            print(
+                f"      down on deferred rows, K split {d['split_k']}, precise {d['precise']}: "
+                f"{d['us']:.1f} us, {d['rel_err']:.2e} from float64"
+                + (" (engine)" if d["engine"] else "")
+            )
     write_record(
         "benchmarks.kernels.bench_fp8",
         argv,
