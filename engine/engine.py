@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -33,7 +32,10 @@ class Engine:
     def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
         model_config = ModelConfig.load(config.model, config.torch_dtype)
         self.model_config = model_config
-        self._grammars: Future[GrammarBackend] | None = None
+        self._grammars: GrammarBackend | Exception | None = None
+        """The grammar compiler, or the error making it raised (raised again at
+        every grammar request: a model without tokenizer files serves all
+        other requests); None until made."""
         self.runner = make_runner(config.resolve(model_config), model_config)
         self.config = self.runner.config
         """Resolved, with the KV pool's size (the runner may size it from the device)."""
@@ -44,7 +46,7 @@ class Engine:
             # use: tests need it rarely). Not in a thread beside the weights'
             # loading and the graph capture: there the start took 10 s longer
             # on an H100, the two contending for the GIL.
-            self.grammar_backend_or_error()
+            self._grammars = self._make_grammars()
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
         self._grammar_rids: set[str] = set()
@@ -123,32 +125,18 @@ class Engine:
         """The model's grammar compiler (xgrammar and the tokenizer, which an
         engine without grammar requests skips on a CPU): made at start-up on
         CUDA, else on first use."""
-        return self.grammar_backend_or_error().result()
-
-    def grammar_backend_or_error(self) -> Future[GrammarBackend]:
-        """The grammar compiler, or the error making it raised (raised again
-        at every grammar request: a model without tokenizer files serves all
-        other requests)."""
         if self._grammars is None:
-            self._grammars = Future()
-            self._load_grammars(self.config.model)
+            self._grammars = self._make_grammars()
+        if isinstance(self._grammars, Exception):
+            raise self._grammars
         return self._grammars
 
-    def set_grammar_backend(self, backend: GrammarBackend) -> None:
-        """Use ``backend`` (one of another tokenizer's) for grammar requests."""
-        self._grammars = Future()
-        self._grammars.set_result(backend)
-
-    def _load_grammars(self, model_dir: str) -> None:
-        """Set ``self._grammars``' result, or the error that making it raised."""
-        assert self._grammars is not None
+    def _make_grammars(self) -> GrammarBackend | Exception:
         mc = self.model_config
         try:
-            backend = GrammarBackend.for_model(model_dir, mc.vocab_size, mc.eos_token_ids)
+            return GrammarBackend.for_model(self.config.model, mc.vocab_size, mc.eos_token_ids)
         except Exception as e:  # noqa: BLE001 (handed to every request that asks)
-            self._grammars.set_exception(e)
-        else:
-            self._grammars.set_result(backend)
+            return e
 
     def forget(self, rid: str) -> None:
         """The request id may be used again."""

@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine = Engine(cfg)
     backend, tokenizer = grammar_backend(engine, args.tokenizer, args.fill_threads)
-    engine.set_grammar_backend(backend)
+    engine._grammars = backend
     spec = GrammarSpec("json_schema", json.dumps(schema(args.min_items)))
     t0 = time.perf_counter()
     backend.compile(spec)
