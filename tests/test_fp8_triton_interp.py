@@ -273,6 +273,10 @@ def test_gated_mlp_gives_the_separate_kernels_numbers(rows: int) -> None:
     # Split over K: the deferred rows quantized alike in every split.
     split = fp8_skinny.run(h, w2, s2, None, down._replace(split_k=3))
     assert ((split.double() - ref).abs() <= 2e-3 * ref.abs() + atol).all()
+    # A row's numbers do not depend on the rows beside it (one row alone takes
+    # the kernel's one-row path).
+    alone = fp8_skinny.run(Deferred(h.rows[:1], h.maxes[:1]), w2, s2, None, down)
+    assert torch.equal(alone[0], got[0])
 
 
 def test_what_takes_the_gated_mlp() -> None:
@@ -286,10 +290,9 @@ def test_what_takes_the_gated_mlp() -> None:
         t = fp8_skinny.gated_fits(x, w13)
         assert t is not None and t.split_k == 1 and 14336 % t.block_n == 0
         h = Deferred(torch.zeros(m, 14336, dtype=torch.bfloat16), torch.zeros(m, 14336 // 64))
-        # One row: unsplit, precise sums; more: split in two (the loop that
-        # quantizes 16 rows is issue-bound), sums of 7168.
-        split = 1 if m == 1 else 2
-        want = fp8_skinny.Tiles(64, 512, split, 4, 4, precise=m == 1)
+        # At every row count: split in two (the loop that quantizes as it
+        # loads is issue-bound), each k tile's sum kept in float32.
+        want = fp8_skinny.Tiles(64, 512, 2, 4, 4, precise=True)
         assert fp8_skinny.fits(h, w2) == want
     m = fp8_skinny.DEFERRED_ROWS + 1
     x = Quantized(torch.zeros(m, 4096, dtype=fp8.E4M3), torch.ones(m), torch.bfloat16)

@@ -168,26 +168,31 @@ def bench_mlp(hidden: int, inter: int, m: int, reps: int) -> dict[str, Any]:
 def sweep_deferred(
     hs: list[Deferred], w2s: list[tuple[torch.Tensor, torch.Tensor]], m: int, reps: int
 ) -> list[dict[str, Any]]:
-    """The down product on ``m`` deferred rows at splits of K of 1, 2 and 4
-    (precise sums where a split's sum is longer than ``PRECISE_K``; the
-    engine's tiles are ``fp8_skinny.deferred_tiles``), each against float64
-    of the rows as ``silu_mul_quantize`` quantizes them and the weight."""
+    """The down product on ``m`` deferred rows at splits of K of 1, 2 and 4,
+    with and without precise sums (always precise where a split's sum is
+    longer than ``PRECISE_K``; the engine's tiles are
+    ``fp8_skinny.deferred_tiles``), each against float64 of the rows as
+    ``silu_mul_quantize`` quantizes them and the weight."""
     q, s = w2s[0]
     n, k = q.shape
-    engine = fp8_skinny.deferred_tiles(n, k, m)
-    rows = fp8.dequantize_rows(*fp8.quantize_rows(hs[0].rows)).double()
-    ref = rows @ fp8.dequantize_rows(q, s).double().t()
+    engine = fp8_skinny.deferred_tiles(n, k)
+    quantized = fp8.dequantize_rows(*fp8.quantize_rows(hs[0].rows)).double()
+    ref = quantized @ fp8.dequantize_rows(q, s).double().t()
     out = []
     for split in (1, 2, 4):
-        t = engine._replace(split_k=split, precise=k // split > fp8_skinny.PRECISE_K)
-        if not fp8_skinny.applies(t, n, k):
-            continue
-        got = fp8_skinny.run(hs[0], q, s, None, t).double()
-        us = graph_us(
-            [lambda h=h, w=w, t=t: fp8_skinny.run(h, *w, None, t) for h, w in zip(hs, w2s)], reps
-        )
-        err = ((got - ref).norm() / ref.norm()).item()
-        out.append({**t._asdict(), "us": us, "rel_err": err, "engine": t == engine})
+        for precise in (True, False):
+            if not precise and k // split > fp8_skinny.PRECISE_K:
+                continue
+            t = engine._replace(split_k=split, precise=precise)
+            if not fp8_skinny.applies(t, n, k):
+                continue
+            got = fp8_skinny.run(hs[0], q, s, None, t).double()
+            us = graph_us(
+                [lambda h=h, w=w, t=t: fp8_skinny.run(h, *w, None, t) for h, w in zip(hs, w2s)],
+                reps,
+            )
+            err = ((got - ref).norm() / ref.norm()).item()
+            out.append({**t._asdict(), "us": us, "rel_err": err, "engine": t == engine})
     return out
 
 

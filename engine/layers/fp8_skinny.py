@@ -271,24 +271,23 @@ def fits(x: torch.Tensor | Quantized | Deferred, q: torch.Tensor) -> Tiles | Non
     if q.shape[1] != rows.shape[1]:
         return None
     if isinstance(x, Deferred):
-        return deferred_tiles(q.shape[0], q.shape[1], rows.shape[0])
+        return deferred_tiles(q.shape[0], q.shape[1])
     return tiles(q.shape[0], q.shape[1], block_m(rows.shape[0]))
 
 
-def deferred_tiles(n: int, k: int, rows: int = DEFERRED_ROWS) -> Tiles | None:
-    """The tiles of a product on ``rows`` ``Deferred`` rows: one row tile's,
-    and from two rows on with K split in two where that divides it, into
-    sums of at most ``PRECISE_K``. Quantizing all 16 rows of the tile as each
-    k tile streams in makes the loop issue-bound rather than bound by the
-    weight's bytes (``kernel_sass``: 694 instructions a warp per k tile at 4
-    rows against 168 on quantized rows), so twice the programs, on twice the
-    SMs, go faster: at 4 rows Llama's down product took 28.2 us split in two,
-    35.1 unsplit with precise sums (``bench_fp8 --mlp``, an H100). One row
-    alone takes 271 instructions, and 26.7 us unsplit."""
+def deferred_tiles(n: int, k: int) -> Tiles | None:
+    """The tiles of a product on ``Deferred`` rows, the same at every row count
+    (so a row's sums do not depend on the rows beside it): one row tile's,
+    with K split in two where that divides it, each k tile's sum kept in
+    float32 past ``PRECISE_K`` as unsplit. Quantizing the row tile as each k
+    tile streams in makes the loop issue-bound rather than bound by the
+    weight's bytes (``kernel_sass``: 694 instructions a warp per k tile at 16
+    rows, 271 at one, against 168 on quantized rows), so twice the programs,
+    on twice the SMs, go faster (``bench_fp8 --mlp``'s deferred sweep)."""
     t = tiles(n, k)
-    if t is None or rows == 1:
-        return t
-    split = t._replace(split_k=2, precise=k > 2 * PRECISE_K)
+    if t is None:
+        return None
+    split = t._replace(split_k=2)
     return split if applies(split, n, k) else t
 
 
