@@ -42,10 +42,10 @@ def test_products_match_float64_of_the_quantized_operands(rows: int, n: int, k: 
 
 
 def test_precise_sums_are_nearer_float64_over_a_long_k() -> None:
-    """Unsplit over K 14336, the tensor cores' own accumulation drifts from
-    float64 more than sums promoted to float32 every k tile
-    (``Tiles.precise``, which ``fp8_skinny.tiles`` takes at one row tile past
-    ``PRECISE_K``) or than two sums split over K."""
+    """Over K 14336, the tensor cores' own accumulation drifts from float64
+    more than sums promoted to float32 every k tile (``Tiles.precise``, which
+    ``fp8_skinny.tiles`` takes at one row tile past ``PRECISE_K``, with K split
+    in two) or than two sums split over K."""
     g = torch.Generator(device="cuda").manual_seed(16)
     n, k = 4096, 14336
     x = torch.randn(16, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -60,9 +60,14 @@ def test_precise_sums_are_nearer_float64_over_a_long_k() -> None:
     unsplit = fp8_skinny.Tiles(64, 512, 1, 4, 4)
     own, precise = err(unsplit), err(unsplit._replace(precise=True))
     split = err(unsplit._replace(split_k=2))
-    print(f"K {k} from float64: unsplit {own:.2e}, precise {precise:.2e}, split {split:.2e}")
-    assert fp8_skinny.tiles(n, k) == unsplit._replace(precise=True)
+    both = err(unsplit._replace(split_k=2, precise=True))
+    print(
+        f"K {k} from float64: unsplit {own:.2e}, precise {precise:.2e}, split {split:.2e}, "
+        f"split with precise sums {both:.2e}"
+    )
+    assert fp8_skinny.tiles(n, k) == unsplit._replace(split_k=2, precise=True)
     assert precise < own and precise < split < 4e-3
+    assert both < split and both < 1.1 * precise
 
 
 def _runner(graph_bs: int, kv_heads: int = 1, **kw: str) -> ModelRunner:

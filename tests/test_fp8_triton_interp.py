@@ -121,11 +121,12 @@ def test_what_takes_the_kernel() -> None:
     assert fp8_skinny.fits(x[:, :2048], q) is None  # K differs
     wide = torch.zeros(28672, 4096, dtype=fp8.E4M3)
     assert fp8_skinny.fits(x, wide) == fp8_skinny.Tiles(64, 256, 1, 4, 4)  # shorter k tiles
-    # Past PRECISE_K each k tile's sum is kept in float32 (the tensor cores'
-    # accumulation), at one row tile; split at more.
+    # Past PRECISE_K, at one row tile, K is split in two and each k tile's
+    # sum kept in float32 (not the tensor cores' own accumulation); split
+    # into sums of at most PRECISE_K at more.
     long_k = torch.zeros(4096, 14336, dtype=fp8.E4M3)
     rows = torch.zeros(1, 14336, dtype=torch.bfloat16)
-    assert fp8_skinny.fits(rows, long_k) == fp8_skinny.Tiles(64, 512, 1, 4, 4, precise=True)
+    assert fp8_skinny.fits(rows, long_k) == fp8_skinny.Tiles(64, 512, 2, 4, 4, precise=True)
     # A K no tile divides twice: the k tile halves until one does, else none.
     assert fp8_skinny.fits(x[:, :384], q[:, :384].contiguous()) == fp8_skinny.Tiles(
         64, 128, 1, 4, 4
@@ -161,9 +162,10 @@ def test_no_program_sums_a_long_k_in_the_tensor_cores_alone() -> None:
             assert k // t.split_k <= fp8_skinny.PRECISE_K or t.precise, (preset, n, k, t)
             assert fp8_skinny.applies(t, n, k, rows_tile)
     assert seen >= 30
-    # Qwen2.5-7B's down product (K 18944): precise sums at one row tile, four
-    # sums of 4736 at two.
-    assert fp8_skinny.tiles(3584, 18944) == fp8_skinny.Tiles(64, 512, 1, 4, 4, precise=True)
+    # Qwen2.5-7B's down product (K 18944): split in two with precise sums at
+    # one row tile (k tiles of 256: 512 do not divide a half), four sums of
+    # 4736 at two.
+    assert fp8_skinny.tiles(3584, 18944) == fp8_skinny.Tiles(64, 256, 2, 4, 4, precise=True)
     assert fp8_skinny.tiles(3584, 18944, 32) == fp8_skinny.Tiles(64, 128, 4, 4, 3)
 
 

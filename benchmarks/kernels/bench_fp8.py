@@ -171,11 +171,11 @@ def sweep_deferred(
     """The down product on ``m`` deferred rows at splits of K of 1, 2 and 4,
     with and without precise sums (always precise where a split's sum is
     longer than ``PRECISE_K``; the engine's tiles are
-    ``fp8_skinny.deferred_tiles``), each against float64 of the rows as
+    ``fp8_skinny.tiles``), each against float64 of the rows as
     ``silu_mul_quantize`` quantizes them and the weight."""
     q, s = w2s[0]
     n, k = q.shape
-    engine = fp8_skinny.deferred_tiles(n, k)
+    engine = fp8_skinny.tiles(n, k)
     quantized = fp8.dequantize_rows(*fp8.quantize_rows(hs[0].rows)).double()
     ref = quantized @ fp8.dequantize_rows(q, s).double().t()
     out = []
@@ -230,9 +230,9 @@ def sweep_tiles(rows_tile: int, narrow: bool = False) -> list[fp8_skinny.Tiles]:
     in shared memory; those over it are refused at launch and recorded. At
     one row tile two and three stages are tried too: with less shared memory
     a program, two fit an SM, so more programs (a split over K, narrower
-    tiles) still run in one wave. Unsplit tiles are tried with ``precise``
-    sums too (each k tile's added in float32), the other way to keep a long
-    K's error down than a split. ``narrow``: 4 warps on 32- and 64-row
+    tiles) still run in one wave. Unsplit tiles and splits in two are tried
+    with ``precise`` sums too (each k tile's added in float32), the other way
+    to keep a long K's error down than a split. ``narrow``: 4 warps on 32- and 64-row
     tiles, the two longest k tiles, splits of 1, 2 and 4."""
     wide = rows_tile > fp8_skinny.BLOCK_M
     k_tiles = (128, 256) if wide else (128, 256, 512)
@@ -244,8 +244,9 @@ def sweep_tiles(rows_tile: int, narrow: bool = False) -> list[fp8_skinny.Tiles]:
         for warps in ((4, 8) if bn == 128 else (4,))
         for stages in ((2, 3) if wide else (2, 3, 4))
     ]
-    # Unsplit tiles also with their sums promoted to float32 every k tile.
-    grid += [t._replace(precise=True) for t in grid if t.split_k == 1]
+    # Unsplit tiles and splits in two also with their sums promoted to float32
+    # every k tile.
+    grid += [t._replace(precise=True) for t in grid if t.split_k <= 2]
     if narrow:
         longest = k_tiles[-2:]
         return [t for t in grid if t.block_n <= 64 and t.block_k in longest and t.split_k <= 4]

@@ -85,15 +85,19 @@ class Tiles(NamedTuple):
 
 def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
     """The tiles for an ``[n, k]`` e4m3 weight against ``rows_tile`` input
-    rows, or None where they do not fit. (The best of sweeps over
-    Llama-3.1-8B's shapes. One row tile, on an H100 with rows quantized
-    upstream: 64-row tiles over four stages, k tiles of 512 for weights of
-    4096 rows or fewer and of 256 for wider ones, no split of K, each k
-    tile's sum kept in float32 past ``PRECISE_K``: as fast as the tensor
-    cores' own accumulation, and faster than splitting K in two. Two or four,
-    on an H200: shorter k tiles over three stages, the shared memory of a
-    wider row tile, and splits of K for all but the wide weights, into sums
-    of at most ``PRECISE_K``.)"""
+    rows, quantized or ``Deferred``, or None where they do not fit. (The best
+    of sweeps over Llama-3.1-8B's shapes. One row tile, on an H100: 64-row
+    tiles over four stages, k tiles of 512 for weights of 4096 rows or fewer
+    and of 256 for wider ones, and a K longer than ``PRECISE_K`` split in two
+    with each k tile's sum kept in float32. On deferred rows the split is
+    faster: their loop, which quantizes the row tile as each k tile streams
+    in, is issue-bound rather than bound by the weight's bytes, so twice the
+    programs on twice the SMs gain (``bench_fp8 --mlp``'s deferred sweep). On
+    quantized rows it is about as fast as one program a column tile, and the
+    same tiles for both make the gated MLP's numbers those of the three
+    kernels. Two or four row tiles, on an H200: shorter k tiles over three
+    stages, the shared memory of a wider row tile, and splits of K for all
+    but the wide weights, into sums of at most ``PRECISE_K``.)"""
     if rows_tile > BLOCK_M:
         t = Tiles(64, 256, 1 if n >= 16384 else 4 if n <= 4096 else 2, 4, 3)
         split = 1  # no program sums more than PRECISE_K in the tensor cores alone
@@ -101,7 +105,8 @@ def tiles(n: int, k: int, rows_tile: int = BLOCK_M) -> Tiles | None:
             split *= 2
         t = t._replace(split_k=max(t.split_k, split))
     else:
-        t = Tiles(64, 512 if n <= 4096 else 256, 1, 4, 4, precise=k > PRECISE_K)
+        long_k = k > PRECISE_K
+        t = Tiles(64, 512 if n <= 4096 else 256, 2 if long_k else 1, 4, 4, precise=long_k)
     # A shorter k tile, then no split (each k tile's sum then kept in float32
     # where K is long), where K needs it.
     for c in (t, t._replace(split_k=1, precise=k > PRECISE_K)):
@@ -270,25 +275,7 @@ def fits(x: torch.Tensor | Quantized | Deferred, q: torch.Tensor) -> Tiles | Non
         return None
     if q.shape[1] != rows.shape[1]:
         return None
-    if isinstance(x, Deferred):
-        return deferred_tiles(q.shape[0], q.shape[1])
     return tiles(q.shape[0], q.shape[1], block_m(rows.shape[0]))
-
-
-def deferred_tiles(n: int, k: int) -> Tiles | None:
-    """The tiles of a product on ``Deferred`` rows, the same at every row count
-    (so a row's sums do not depend on the rows beside it): one row tile's,
-    with K split in two where that divides it, each k tile's sum kept in
-    float32 past ``PRECISE_K`` as unsplit. Quantizing the row tile as each k
-    tile streams in makes the loop issue-bound rather than bound by the
-    weight's bytes (``kernel_sass``: 694 instructions a warp per k tile at 16
-    rows, 271 at one, against 168 on quantized rows), so twice the programs,
-    on twice the SMs, go faster (``bench_fp8 --mlp``'s deferred sweep)."""
-    t = tiles(n, k)
-    if t is None:
-        return None
-    split = t._replace(split_k=2)
-    return split if applies(split, n, k) else t
 
 
 def gated_tiles(n: int, k: int) -> Tiles | None:

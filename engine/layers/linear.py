@@ -139,7 +139,7 @@ def gated_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor | Quantized) 
     if getattr(down, "weight_scale", None) is None or getattr(down, "bias", None) is not None:
         return None
     t = fp8_skinny.gated_fits(x, gate_up.weight)
-    if t is None or fp8_skinny.deferred_tiles(*down.weight.shape) is None:
+    if t is None or fp8_skinny.tiles(*down.weight.shape) is None:
         return None
     if down.weight.shape[1] * 2 != gate_up.weight.shape[0]:
         return None
