@@ -62,6 +62,7 @@ def write_record(
 
 KERNEL_SETTINGS = (
     "quantization",
+    "quantize_lm_head",
     "kv_cache_dtype",
     "fuse_rope_kv_write",
     "decode_kernel",

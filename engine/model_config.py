@@ -97,6 +97,9 @@ class ModelConfig:
     scale per output row (``engine.layers.fp8``), from an FP8 checkpoint or
     quantized at load (``EngineConfig.quantization``); None: the model's dtype."""
 
+    fp8_lm_head: bool = False
+    """The LM head in e4m3 too (``EngineConfig.quantize_lm_head``); needs ``fp8``."""
+
     def sparse_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse(layer)
 
@@ -104,9 +107,9 @@ class ModelConfig:
     def fp8(self) -> bool:
         return self.quantization == "fp8"
 
-    def with_quantization(self, quantization: str | None) -> ModelConfig:
+    def with_quantization(self, quantization: str | None, lm_head: bool = False) -> ModelConfig:
         """This config with the engine's ``--quantization`` applied (None: as
-        the checkpoint is)."""
+        the checkpoint is), and ``--quantize-lm-head`` (``lm_head``)."""
         q = quantization or self.quantization
         if q not in (None, *QUANTIZATIONS):
             raise ModelConfigError(
@@ -116,7 +119,19 @@ class ModelConfig:
             raise ModelConfigError(
                 f"quantization {q!r} is not supported for mixture-of-experts models yet"
             )
-        return self if q == self.quantization else replace(self, quantization=q)
+        if lm_head:
+            if q != "fp8":
+                raise ModelConfigError(
+                    "--quantize-lm-head needs FP8 weights (--quantization fp8, or an FP8 checkpoint)"
+                )
+            if self.tie_word_embeddings:
+                raise ModelConfigError(
+                    "--quantize-lm-head: this model's LM head is its embedding matrix (tied), "
+                    "which stays in the model's dtype"
+                )
+        if q == self.quantization and lm_head == self.fp8_lm_head:
+            return self
+        return replace(self, quantization=q, fp8_lm_head=lm_head)
 
     @property
     def q_size(self) -> int:

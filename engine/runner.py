@@ -110,7 +110,7 @@ class ModelRunner:
         unset the pool is sized from the device's memory (``engine.memory``),
         and ``self.config`` is the config with the size filled in."""
         assert config.context_length is not None, "EngineConfig must be resolved first"
-        model_config = model_config.with_quantization(config.quantization)
+        model_config = model_config.with_quantization(config.quantization, config.quantize_lm_head)
         self.model_config = model_config
         self.tp = tp
         self.device = torch.device(config.device)

@@ -143,6 +143,50 @@ def test_the_fp8_model_is_the_full_model_on_quantized_operands(hf_checkpoint) ->
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+def test_a_quantized_lm_head_is_the_head_on_quantized_operands(hf_checkpoint) -> None:
+    """``--quantize-lm-head``: the head in e4m3 with a scale per vocab row, the
+    final norm's output quantized per token: float64 of those operands, and
+    logits near those of the full-precision head."""
+    path, _ = hf_checkpoint("qwen2-gqa2")
+    plain, quant = cpu_runner(path, "fp8"), cpu_runner(path, "fp8", quantize_lm_head=True)
+    head = quant.model.lm_head
+    assert quant.model_config.fp8_lm_head and not plain.model_config.fp8_lm_head
+    assert head.weight.dtype == fp8.E4M3 and head.weight_scale.shape == (head.weight.shape[0],)
+    assert plain.model.lm_head.weight.dtype != fp8.E4M3
+    torch.testing.assert_close(  # quantized at load from the same checkpoint tensor
+        fp8.dequantize_rows(head.weight, head.weight_scale),
+        plain.model.lm_head.weight.float(),
+        rtol=2**-4,
+        atol=head.weight_scale.max().item() * 2**-9,
+    )
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(6, quant.model_config.hidden_size, generator=g).to(quant.model_config.dtype)
+    with torch.no_grad():
+        got = quant.model.compute_logits(h).double()
+    xq, sx = fp8.quantize_rows(h)
+    ref = fp8.dequantize_rows(xq, sx).double() @ (
+        fp8.dequantize_rows(head.weight, head.weight_scale).double().t()
+    )
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    ids = _prompt()
+    ref, got = _logits(plain, ids), _logits(quant, ids)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 1e-3 < rel < 0.1, rel  # one more product on e4m3 operands
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+
+
+def test_a_quantized_lm_head_is_refused_where_it_cannot_be(hf_checkpoint) -> None:
+    path, _ = hf_checkpoint("qwen2-gqa2")
+    with pytest.raises(ModelConfigError, match="needs FP8 weights"):
+        cpu_runner(path, quantize_lm_head=True)
+    tied, _ = hf_checkpoint("llama-gqa4-tied")
+    with pytest.raises(ModelConfigError, match="tied"):
+        cpu_runner(tied, "fp8", quantize_lm_head=True)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(quantization="fp8", quantize_lm_head=True, tp_size=2)
+
+
 def test_a_per_channel_checkpoint_loads_as_online_quantization(model_dir, tmp_path) -> None:
     ckpt = tmp_path / "fp8-channel"
     quantized_checkpoint(Path(model_dir), ckpt, per_tensor=False)

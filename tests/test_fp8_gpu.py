@@ -83,6 +83,39 @@ def test_fp8_weights_decode_graph_equals_eager(batch_size: int) -> None:
     assert_graph_equals_eager(runner, batch)
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 64])
+def test_a_quantized_lm_head_on_the_gpu(batch_size: int) -> None:
+    """``--quantize-lm-head``: the head's product against float64 of its
+    operands (the final norm's rows quantized per token), and a decode graph
+    that replays the eager forward."""
+    runner = _runner(64, quantization="fp8", quantize_lm_head=True)
+    head = runner.model.lm_head
+    assert runner.model_config.fp8_lm_head and head.weight.dtype == fp8.E4M3
+    g = torch.Generator(device="cuda").manual_seed(batch_size)
+    h = torch.randn(batch_size, head.weight.shape[1], device="cuda", generator=g)
+    h = h.to(torch.bfloat16)
+    with torch.inference_mode():
+        got = runner.model.compute_logits(h).double()
+    xq, sx = fp8.quantize_rows(h)
+    ref = fp8.dequantize_rows(xq, sx).double() @ (
+        fp8.dequantize_rows(head.weight, head.weight_scale).double().t()
+    )
+    # bf16 logits (the product's output dtype), then float32.
+    assert ((got - ref).norm() / ref.norm()).item() < 4e-3
+    runner.pool.kv.normal_()
+    batch = build_forward_batch(decode_specs(runner, batch_size), PAGE_SIZE, "cuda:0")
+    assert_graph_equals_eager(runner, batch)
+    # A head of Llama-3's vocabulary (128256 rows: the few-row kernel's tiles
+    # up to 64 rows, torch._scaled_mm past them), its first and last rows.
+    q, s = fp8.quantize_rows(torch.randn(128256, 4096, device="cuda", generator=g) * 0.02)
+    x = torch.randn(batch_size, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    got = any_linear(x, q, None, s).double()
+    xd = fp8.dequantize_rows(*fp8.quantize_rows(x)).double()
+    for part in (slice(0, 4096), slice(-4096, None)):
+        ref = xd @ fp8.dequantize_rows(q[part], s[part]).double().t()
+        assert ((got[:, part] - ref).norm() / ref.norm()).item() < 4e-3
+
+
 def _torch_attention(runner: ModelRunner) -> TorchNativeAttention:
     """The torch attention over the runner's pool (the reference)."""
     return TorchNativeAttention(

@@ -251,7 +251,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.lm_head_weight)
+        if self.config.fp8_lm_head:  # an e4m3 head: the rows quantized per token first
+            logits = self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.lm_head_weight)
         if self.tp is not None:  # this rank's vocab columns: gather all of them
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float()

@@ -26,7 +26,7 @@ from engine.layers import fp8 as fp8_math
 from engine.layers.fp8_quant import Deferred, Quantized
 from engine.layers.gemv import silu_mul_linear
 from engine.layers.linear import Linear, MergedLinear, any_linear, silu_mul_input
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, ModelConfigError
 from engine.parallel.group import TPGroup
 
 
@@ -149,5 +149,7 @@ def embedding(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
 
 def lm_head(cfg: ModelConfig, tp: TPGroup | None) -> nn.Module:
     if tp is None:
-        return Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        return Linear(cfg.hidden_size, cfg.vocab_size, bias=False, fp8=cfg.fp8_lm_head)
+    if cfg.fp8_lm_head:
+        raise ModelConfigError("--quantize-lm-head is not supported with tensor parallelism")
     return VocabRows(cfg.vocab_size, cfg.hidden_size, tp)
