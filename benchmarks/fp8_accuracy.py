@@ -52,6 +52,7 @@ def make_runner(
         page_size=PAGE_SIZE,
         num_pages=-(-prompt_len // PAGE_SIZE) + 1,
         cuda_graph_max_bs=0,
+        cuda_graph_max_tokens=0,  # eager, so that the layers' hooks see every forward
         quantization="fp8" if fp8_weights else None,
     )
     mc = ModelConfig.load(model, cfg.torch_dtype)
