@@ -72,9 +72,9 @@ class EngineConfig:
         False,
         help="with FP8 weights: the LM head in e4m3 too, a scale per vocab row and the "
         "final norm's output scaled per token: half the head's bytes a step, logits further "
-        "from the full-precision head's (not for models that tie the head to the embeddings, "
-        "nor with tensor parallelism; default: off, the head in the model's dtype as FP8 "
-        "checkpoints ship it)",
+        "from the full-precision head's (a head tied to the embeddings gets a quantized copy "
+        "of them; not with tensor parallelism; default: off, the head in the model's dtype "
+        "as FP8 checkpoints ship it)",
         group=MODEL_GROUP,
     )
     device: str = setting(
@@ -274,8 +274,6 @@ class EngineConfig:
             raise ValueError("cuda_graph_max_tokens must be >= 0")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.quantize_lm_head and self.tp_size > 1:
-            raise ValueError("quantize_lm_head is not supported with tensor parallelism")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

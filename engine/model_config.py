@@ -119,16 +119,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"quantization {q!r} is not supported for mixture-of-experts models yet"
             )
-        if lm_head:
-            if q != "fp8":
-                raise ModelConfigError(
-                    "--quantize-lm-head needs FP8 weights (--quantization fp8, or an FP8 checkpoint)"
-                )
-            if self.tie_word_embeddings:
-                raise ModelConfigError(
-                    "--quantize-lm-head: this model's LM head is its embedding matrix (tied), "
-                    "which stays in the model's dtype"
-                )
+        if lm_head and q != "fp8":
+            raise ModelConfigError(
+                "--quantize-lm-head needs FP8 weights (--quantization fp8, or an FP8 checkpoint)"
+            )
         if q == self.quantization and lm_head == self.fp8_lm_head:
             return self
         return replace(self, quantization=q, fp8_lm_head=lm_head)

@@ -137,6 +137,7 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             self.model.load_weights(iter_safetensors(config.model))
+        self.model.tie_head()
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model_config.dtype)
         """The KV pool's dtype (``--kv-cache-dtype`` resolved against the model's)."""
         if self.kv_dtype == KV_FP8:

@@ -176,15 +176,33 @@ def test_a_quantized_lm_head_is_the_head_on_quantized_operands(hf_checkpoint) ->
     assert agree >= 0.8, agree
 
 
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_a_tied_head_quantized_is_a_copy_of_the_embedding(hf_checkpoint, load_format) -> None:
+    """A head tied to the embeddings, quantized: the embedding matrix stays in
+    the model's dtype for the lookup, the head is its rows quantized."""
+    path, _ = hf_checkpoint("llama-gqa4-tied")
+    plain = cpu_runner(path, "fp8", load_format=load_format)
+    quant = cpu_runner(path, "fp8", load_format=load_format, quantize_lm_head=True)
+    assert plain.model.lm_head is None
+    embed, head = quant.model.model.embed_tokens.weight, quant.model.lm_head
+    assert embed.dtype != fp8.E4M3 and torch.equal(embed, plain.model.model.embed_tokens.weight)
+    q, scale = fp8.quantize_rows(embed)
+    assert torch.equal(head.weight.float(), q.float()) and torch.equal(head.weight_scale, scale)
+    ids = _prompt()
+    ref, got = _logits(plain, ids), _logits(quant, ids)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 1e-3 < rel < 0.1, rel
+
+
 def test_a_quantized_lm_head_is_refused_where_it_cannot_be(hf_checkpoint) -> None:
     path, _ = hf_checkpoint("qwen2-gqa2")
     with pytest.raises(ModelConfigError, match="needs FP8 weights"):
         cpu_runner(path, quantize_lm_head=True)
-    tied, _ = hf_checkpoint("llama-gqa4-tied")
-    with pytest.raises(ModelConfigError, match="tied"):
-        cpu_runner(tied, "fp8", quantize_lm_head=True)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(quantization="fp8", quantize_lm_head=True, tp_size=2)
+    from engine.parallel import layers as tp_layers
+
+    head = ModelConfig.load(path).with_quantization("fp8", lm_head=True)
+    with pytest.raises(ModelConfigError, match="tensor parallelism"):
+        tp_layers.lm_head(head, tp=object())  # refused before a rank's part is made
 
 
 def test_a_per_channel_checkpoint_loads_as_online_quantization(model_dir, tmp_path) -> None:

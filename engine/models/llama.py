@@ -224,14 +224,30 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, kernels
         )
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and not cfg.fp8_lm_head:
             self.lm_head = None
         else:
+            # A tied head quantized (--quantize-lm-head) is a copy of the
+            # embedding matrix in e4m3, made by ``tie_head`` once it is loaded.
             self.lm_head = tp_layers.lm_head(cfg, tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def _head_from_embedding(self) -> bool:
+        return self.config.tie_word_embeddings and self.lm_head is not None
+
+    @torch.no_grad()
+    def tie_head(self) -> None:
+        """Once the weights are in: a tied head held apart (quantized) takes
+        the embedding matrix's rows, quantized per row; any other head is
+        already what the checkpoint holds."""
+        if self._head_from_embedding:
+            q, scale = fp8.quantize_rows(self.model.embed_tokens.weight)
+            self.lm_head.weight.copy_(q)
+            self.lm_head.weight_scale.copy_(scale)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -273,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors, fusing q/k/v and gate/up into one matrix each."""
         params = dict(self.named_parameters())
         expected = {n: self._expected_shards(n) for n in params}
+        if self._head_from_embedding:  # made from the embedding (tie_head)
+            expected = {n: s for n, s in expected.items() if not n.startswith("lm_head.")}
         seen: dict[str, set[Any]] = {n: set() for n in params}
         if self.config.moe is not None:
             weights = moe.checkpoint_tensors(weights)
@@ -280,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         def targets(name: str) -> tuple[str, Any] | None:
             if "rotary_emb.inv_freq" in name or name.endswith(STATIC_SCALES):
                 return None
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and (self.lm_head is None or self._head_from_embedding):
                 return None  # tied checkpoints may still store a copy
             expert = moe.expert_target(name)
             if expert is not None:
