@@ -183,7 +183,9 @@ def test_mixture_of_experts_every_kernel_choice(preset: str, launches: list[Laun
     c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
     assert c.moe is not None
     e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
-    ran = moe_triton.warm_up(_empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 8192)
+    ran = moe_triton.warm_up(
+        _empty(e, h), _empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 8192
+    )
     assert len(ran) >= 2  # the matrix-vector path and the grouped one at least
     names = {k.fn.__name__ for k, _, _ in launches}
     assert {"route_kernel", "gemv_gate_up_kernel", "grouped_down_kernel", "align_kernel"} <= names
@@ -407,7 +409,7 @@ def test_every_decode_kernel_with_programmatic_dependent_launch(
     c = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16)
     assert c.moe is not None
     e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
-    moe_triton.warm_up(_empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 5)
+    moe_triton.warm_up(_empty(e, h), _empty(e, 2 * i, h), _empty(e, h, i), c.moe.top_k, True, 5)
     d = c.head_dim
     pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=torch.bfloat16))
     qkv = _empty(1, (c.num_heads + 2 * c.num_kv_heads) * d)

@@ -132,12 +132,13 @@ class SparseMoE(nn.Module):
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x, self.gate.weight)
         if use_fused(x):
             from engine.layers import moe_triton
 
-            return moe_triton.route(logits, self.moe.top_k, self.moe.norm_topk_prob)
-        return route(logits, self.moe.top_k, self.moe.norm_topk_prob)
+            return moe_triton.route_rows(
+                x, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob
+            )
+        return route(linear(x, self.gate.weight), self.moe.top_k, self.moe.norm_topk_prob)
 
     def warm_up(self, max_tokens: int) -> None:
         """Compile the fused kernels for every shape class of up to
@@ -146,7 +147,9 @@ class SparseMoE(nn.Module):
             from engine.layers import moe_triton
 
             w13, w2 = self.experts.w13, self.experts.w2
-            moe_triton.warm_up(w13, w2, self.moe.top_k, self.moe.norm_topk_prob, max_tokens)
+            moe_triton.warm_up(
+                self.gate.weight, w13, w2, self.moe.top_k, self.moe.norm_topk_prob, max_tokens
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -3,7 +3,10 @@ CUDA graph captures them).
 
 Routing: ``route`` takes the router's logits ``[n, experts]`` to the top-k
 weights and expert ids in one kernel per token block (softmax in float32, k
-rounds of arg-max, optional renormalization).
+rounds of arg-max, optional renormalization). Up to ``ROUTER_ROWS`` tokens
+(decode at small batch) ``route_from`` computes the logits in the same
+kernel: each program the router's product for a block of experts, and the
+last program to arrive routes the tokens (one launch a layer, not two).
 
 Experts, two paths chosen by the number of (token, expert) pairs:
 
@@ -13,7 +16,8 @@ Experts, two paths chosen by the number of (token, expert) pairs:
   ``gate_up`` computes the gate and up rows of a block together and stores
   ``silu(gate) * up``; ``down`` gives each token its ``top_k`` experts'
   products weighted by the router and summed, so no pair-sized output exists.
-  Three kernels per layer with the router's; weights read: the chosen
+  Three kernels per layer with the router's (its product in it: up to
+  ``ROUTER_ROWS`` tokens are a few pairs); weights read: the chosen
   experts' only.
 - **Many pairs** (prefill, large batches): the pairs are grouped by expert
   into segments padded to the GEMM's row block (``align``: one kernel, every
@@ -39,10 +43,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.layers import pdl
+from engine.layers import pdl, skinny
+from engine.layers.gemv import linear
 
 SMALL_PAIRS = 32
 """Up to this many (token, expert) pairs take the matrix-vector path."""
+ROUTER_ROWS = 4
+"""Up to this many tokens, the router's product runs in the routing kernel
+(``route_from``)."""
+ROUTER_EXPERTS = 4
+"""Experts per program of ``route_from``'s product (the router's rows)."""
+ROUTER_K = 512
+"""k per tile of ``route_from``'s product."""
 COMBINE_BLOCK = 1024
 """Output columns per program of the many-pairs path's last step (a token's
 ``top_k`` rows summed)."""
@@ -107,40 +119,79 @@ def _kernels() -> dict[str, Any]:
         n,
         experts,
         stride_l,
+        rows,
+        router,
+        count,
+        stride_r,
+        stride_w,
         TOP_K: tl.constexpr,
         K_POW2: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr,
+        FROM_ROWS: tl.constexpr = False,
+        HIDDEN: tl.constexpr = 1,
+        ROUTER_E: tl.constexpr = 1,
+        ROUTER_BLOCK_K: tl.constexpr = 1,
         PDL: tl.constexpr = False,
     ):
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        e = tl.arange(0, BLOCK_E)
-        kk = tl.arange(0, K_POW2)
-        live = t < n
-        mask = live[:, None] & (e[None, :] < experts)
-        x = tl.load(logits + t[:, None] * stride_l + e[None, :], mask=mask, other=-float("inf"))
-        x = x.to(tl.float32)
-        x = tl.exp(x - tl.max(x, axis=1)[:, None])
-        p = x / tl.sum(x, axis=1)[:, None]
-        # The k largest, kept in registers and stored once.
-        vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
-        args = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(p, axis=1)
-            # The lowest index among equal maxima, as torch.topk on CPU.
-            arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), axis=1)
-            vals = tl.where(kk[None, :] == j, best[:, None], vals)
-            args = tl.where(kk[None, :] == j, arg[:, None], args)
-            p = tl.where(e[None, :] == arg[:, None], -1.0, p)
-        if RENORMALIZE:
-            vals = vals / tl.sum(vals, axis=1)[:, None]
-        out = t[:, None] * TOP_K + kk[None, :]
-        keep = live[:, None] & (kk[None, :] < TOP_K)
-        tl.store(weights + out, vals, mask=keep)
-        tl.store(ids + out, args, mask=keep)
+        if FROM_ROWS:
+            # The router's product first (route_from): this program's block
+            # of experts for every token, in float32 and stored in the
+            # logits' dtype as a product's output is. Then the last program
+            # to arrive routes all n tokens (BLOCK_T >= n) and leaves the
+            # counter at zero (engine.layers.skinny's protocol: the stores,
+            # the barrier, the release count; the last arrival reads them
+            # from L2).
+            re = tl.program_id(0) * ROUTER_E + tl.arange(0, ROUTER_E)
+            re_ok = re < experts
+            for r in range(n):
+                acc = tl.zeros([ROUTER_E, ROUTER_BLOCK_K], dtype=tl.float32)
+                for k0 in tl.static_range(0, HIDDEN, ROUTER_BLOCK_K):
+                    k = k0 + tl.arange(0, ROUTER_BLOCK_K)
+                    k_ok = k < HIDDEN
+                    a = tl.load(rows + r * stride_r + k, mask=k_ok, other=0.0).to(tl.float32)
+                    m = re_ok[:, None] & k_ok[None, :]
+                    b = tl.load(router + re[:, None] * stride_w + k[None, :], mask=m, other=0.0)
+                    acc += b.to(tl.float32) * a[None, :]
+                y = tl.sum(acc, axis=1).to(logits.dtype.element_ty)
+                tl.store(logits + r * stride_l + re, y, mask=re_ok)
+            tl.debug_barrier()
+            last = tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(0) - 1
+            t = tl.arange(0, BLOCK_T)
+        else:
+            last = True
+            t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        if last:
+            e = tl.arange(0, BLOCK_E)
+            kk = tl.arange(0, K_POW2)
+            live = t < n
+            mask = live[:, None] & (e[None, :] < experts)
+            x = tl.load(logits + t[:, None] * stride_l + e[None, :], mask=mask,
+                        other=-float("inf"), cache_modifier=".cg")  # fmt: skip
+            x = x.to(tl.float32)
+            x = tl.exp(x - tl.max(x, axis=1)[:, None])
+            p = x / tl.sum(x, axis=1)[:, None]
+            # The k largest, kept in registers and stored once.
+            vals = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
+            args = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
+            for j in tl.static_range(TOP_K):
+                best = tl.max(p, axis=1)
+                # The lowest index among equal maxima, as torch.topk on CPU.
+                arg = tl.min(tl.where(p == best[:, None], e[None, :], BLOCK_E), axis=1)
+                vals = tl.where(kk[None, :] == j, best[:, None], vals)
+                args = tl.where(kk[None, :] == j, arg[:, None], args)
+                p = tl.where(e[None, :] == arg[:, None], -1.0, p)
+            if RENORMALIZE:
+                vals = vals / tl.sum(vals, axis=1)[:, None]
+            out = t[:, None] * TOP_K + kk[None, :]
+            keep = live[:, None] & (kk[None, :] < TOP_K)
+            tl.store(weights + out, vals, mask=keep)
+            tl.store(ids + out, args, mask=keep)
+            if FROM_ROWS:
+                tl.atomic_xchg(count, 0)
 
     @triton.jit
     def gemv_gate_up_kernel(
@@ -440,6 +491,11 @@ def route(
         n,
         experts,
         logits.stride(0),
+        logits,  # no rows, router or counter: the logits are given
+        logits,
+        ids,
+        0,
+        0,
         TOP_K=top_k,
         K_POW2=_pow2(top_k),
         RENORMALIZE=renormalize,
@@ -447,6 +503,70 @@ def route(
         BLOCK_E=_pow2(experts),
         num_warps=t.warps,
         **pdl.launch_options(logits.device),
+    )
+    return weights, ids
+
+
+def route_rows(
+    rows: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k weights and expert ids of ``rows`` under the ``router``
+    matrix: its product in the routing kernel up to ``ROUTER_ROWS`` rows
+    (``route_from``), else the product's logits routed (``route``)."""
+    if rows.shape[0] <= ROUTER_ROWS and rows.stride(1) == 1 and router.is_contiguous():
+        return route_from(rows, router, top_k, renormalize)
+    return route_two_kernels(rows, router, top_k, renormalize)
+
+
+def route_two_kernels(
+    rows: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's product, then its logits routed: what ``route_from``
+    does in one kernel (``bench_moe`` times both)."""
+    return route(linear(rows, router), top_k, renormalize)
+
+
+def route_from(
+    rows: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route(linear(rows, router))`` for up to ``ROUTER_ROWS`` tokens in one
+    kernel: ``rows`` ``[n, hidden]``, ``router`` ``[experts, hidden]``. The
+    logits are rounded to the rows' dtype, as the product's output is."""
+    n, hidden = rows.shape
+    experts = router.shape[0]
+    if not 1 <= n <= ROUTER_ROWS:
+        raise ValueError(f"route_from takes 1 to {ROUTER_ROWS} rows, got {n}")
+    if rows.stride(1) != 1 or not router.is_contiguous() or router.shape[1] != hidden:
+        raise ValueError("route_from needs rows with unit stride and a contiguous router")
+    logits = torch.empty(n, experts, dtype=rows.dtype, device=rows.device)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=rows.device)
+    ids = torch.empty(n, top_k, dtype=torch.int32, device=rows.device)
+    # One counter of the device's, which every kernel leaves at zero (the
+    # engine's forwards run on one stream: engine.layers.skinny.scratch_of).
+    count = skinny.scratch_of(rows.device)[1]
+    _kernels()["route"][(triton_cdiv(experts, ROUTER_EXPERTS),)](
+        logits,
+        weights,
+        ids,
+        n,
+        experts,
+        logits.stride(0),
+        rows,
+        router,
+        count,
+        rows.stride(0),
+        router.stride(0),
+        TOP_K=top_k,
+        K_POW2=_pow2(top_k),
+        RENORMALIZE=renormalize,
+        BLOCK_T=ROUTER_ROWS,
+        BLOCK_E=_pow2(experts),
+        FROM_ROWS=True,
+        HIDDEN=hidden,
+        ROUTER_E=ROUTER_EXPERTS,
+        ROUTER_BLOCK_K=min(ROUTER_K, _pow2(hidden)),
+        num_warps=4,
+        **pdl.launch_options(rows.device),
     )
     return weights, ids
 
@@ -609,13 +729,20 @@ def fused_experts(
 
 def kernel_choice(n: int, experts: int, top_k: int) -> tuple[Any, ...]:
     """What decides which compiled kernels ``n`` tokens run: the router's
-    tiles, and the experts' path and tiles."""
+    (its product in the routing kernel, or its tiles), and the experts' path
+    and tiles."""
     pairs = n * top_k
-    return route_tiles(n), None if pairs <= SMALL_PAIRS else gemm_tiles(pairs, experts)
+    router = "from rows" if n <= ROUTER_ROWS else route_tiles(n)
+    return router, None if pairs <= SMALL_PAIRS else gemm_tiles(pairs, experts)
 
 
 def warm_up(
-    w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, max_tokens: int
+    router: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    max_tokens: int,
 ) -> list[int]:
     """Compile every kernel variant a forward of up to ``max_tokens`` tokens
     can pick at these weights' shapes, so no request waits for Triton's
@@ -628,9 +755,8 @@ def warm_up(
         if key not in seen:
             seen.add(key)
             ran.append(n)
-            logits = torch.zeros(n, experts, dtype=w2.dtype, device=w2.device)
-            weights, ids = route(logits, top_k, renormalize)
             x = torch.zeros(n, hidden, dtype=w2.dtype, device=w2.device)
+            weights, ids = route_rows(x, router, top_k, renormalize)
             fused_experts(x, w13, w2, weights, ids)
     return ran
 
