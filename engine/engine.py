@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import NamedTuple
 
@@ -19,6 +20,8 @@ from engine.sampling import SamplingBatch
 from engine.scheduler import ScheduledBatch, Scheduler
 from protocol.finish import PROMPT_PARAM, FinishReason
 from protocol.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class InFlight(NamedTuple):
@@ -47,6 +50,10 @@ class Engine:
             # loading and the graph capture: there the start took 10 s longer
             # on an H100, the two contending for the GIL.
             self._grammars = self._make_grammars()
+        times = getattr(self.runner, "start_times", None)  # a tensor-parallel lead has none
+        if times is not None:
+            times.done("grammar compiler" if self._grammars is not None else "scheduler")
+            log.info("engine %s", times.describe())
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()
         self._grammar_rids: set[str] = set()

@@ -36,6 +36,24 @@ from protocol.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class StartTimes:
+    """Seconds each part of a runner's start took, in order (logged once it
+    is ready, so that a slow start says where its time went)."""
+
+    def __init__(self) -> None:
+        self._t0 = self._last = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    def done(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self._last
+        self._last = now
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f}" for name, s in self.parts.items())
+        return f"ready in {self._last - self._t0:.1f} s ({parts})"
+
+
 class HostValues(NamedTuple):
     """A forward's sampled values as Python lists."""
 
@@ -110,6 +128,7 @@ class ModelRunner:
         unset the pool is sized from the device's memory (``engine.memory``),
         and ``self.config`` is the config with the size filled in."""
         assert config.context_length is not None, "EngineConfig must be resolved first"
+        times = StartTimes()
         model_config = model_config.with_quantization(config.quantization, config.quantize_lm_head)
         self.model_config = model_config
         self.tp = tp
@@ -138,6 +157,7 @@ class ModelRunner:
         else:
             self.model.load_weights(iter_safetensors(config.model))
         self.model.tie_head()
+        times.done("weights")
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model_config.dtype)
         """The KV pool's dtype (``--kv-cache-dtype`` resolved against the model's)."""
         if self.kv_dtype == KV_FP8:
@@ -148,6 +168,7 @@ class ModelRunner:
             # Compiled now rather than under the first requests of a new shape.
             with torch.inference_mode():
                 moe.warm_up(self.model, config.token_budget)
+            times.done("experts' kernels")
         self.num_heads, self.num_kv_heads = local_heads(model_config, tp)
         self.pool_sizing: dict[str, object] = {"sized_by": config.pool_sized_by}
         """How the KV pool was sized (for /server_info and the start-up log)."""
@@ -161,12 +182,14 @@ class ModelRunner:
             max_tokens=self.pool.allocator.capacity * config.page_size,
             gib=round(num_pages * self.pool.config.page_bytes / (1 << 30), 3),
         )
+        times.done("KV pool")
         self.attn = self._attention(self.pool, config)
         if self.attn.fuses_prologue:
             with torch.inference_mode():
                 rope_kv_write.warm_up(
                     self.pool, self.num_heads, model_config.qk_norm, model_config.dtype
                 )
+        times.done("attention")
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_max_bs:
             assert isinstance(self.attn, FlashInferAttention)
@@ -177,23 +200,27 @@ class ModelRunner:
                     config.cuda_graph_max_bs,
                     max_pages_per_request=-(-config.context_length // config.page_size),
                 )
+            times.done("decode graphs")
         self.pieces: PieceGraphs | None = None
         """Prefill and mixed forwards of up to ``cuda_graph_max_tokens`` tokens."""
         if config.cuda_graph_max_tokens:
-            t0 = time.perf_counter()
             with torch.inference_mode():
                 self.pieces = PieceGraphs(self.model, self.device, config.cuda_graph_max_tokens)
+            times.done("piecewise graphs")
             log.info(
                 "piecewise CUDA graphs: %d token counts up to %d captured in %.1f s",
                 len(self.pieces.sizes),
                 self.pieces.max_tokens,
-                time.perf_counter() - t0,
+                times.parts["piecewise graphs"],
             )
         if self.device.type == "cuda":
             # Compiled now rather than under the first request of each kind.
             with torch.inference_mode():
                 sampler.warm_up(model_config.vocab_size, self.device)
                 grammar.warm_up(model_config.vocab_size, self.device)
+            times.done("sampler and grammar kernels")
+        self.start_times = times
+        """Where the start's time went (``Engine`` adds its own parts and logs it)."""
 
     def _allocate_pool(self, config: EngineConfig, start: tuple[int, int, int] | None) -> int:
         """Allocate ``self.pool`` with ``config.num_pages`` pages, or where that

@@ -261,3 +261,28 @@ def test_overlap_launches_next_step_before_reading_the_last(hf_checkpoint) -> No
     assert fourth is None and res3[-1].finish_reason == "length"
     assert len(res) + len(res2) + len(res3) == 3
     assert_no_leak(llm)
+
+
+def test_a_start_logs_where_its_time_went(model_dir, caplog) -> None:
+    """One line once the engine is ready: the whole start and its parts, in
+    order, which add up to it."""
+    import logging
+    import re
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    with caplog.at_level(logging.INFO, logger="engine.engine"):
+        engine = Engine(EngineConfig(model=model_dir, device="cpu", page_size=4, num_pages=64))
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.engine"]
+    assert len(lines) == 1, lines
+    number = r"\d+\.\d"
+    want = (
+        rf"engine ready in ({number}) s \(weights {number}, KV pool {number}, "
+        rf"attention {number}, scheduler {number}\)"
+    )
+    match = re.fullmatch(want, lines[0])
+    assert match is not None, lines[0]
+    parts = engine.runner.start_times.parts
+    assert list(parts) == ["weights", "KV pool", "attention", "scheduler"]
+    assert abs(sum(parts.values()) - float(match[1])) < 0.15
