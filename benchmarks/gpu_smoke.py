@@ -189,7 +189,18 @@ def check_start(d: Deployment) -> str:
     d.http = httpx.Client(base_url=gateway.url, timeout=REQUEST_TIMEOUT_S)
     card = d.http.get("/v1/models").raise_for_status().json()["data"][0]
     d.model, d.max_model_len = card["id"], int(card.get("max_model_len") or 0)
-    return f"model {d.model}"
+    return "; ".join(x for x in [f"model {d.model}", *map(start_parts, workers)] if x)
+
+
+def start_parts(worker: Proc) -> str:
+    """Where a worker's start went (its /server_info), e.g. ``weights 3.1,
+    decode graphs 5.0, ...`` seconds; empty where it does not say."""
+    try:
+        info = httpx.get(f"{worker.url}/server_info", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return ""
+    parts = info.get("start_seconds") or {}
+    return ", ".join(f"{name} {s:.1f}" for name, s in parts.items())
 
 
 def check_chat(d: Deployment) -> str:

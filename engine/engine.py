@@ -50,9 +50,13 @@ class Engine:
             # loading and the graph capture: there the start took 10 s longer
             # on an H100, the two contending for the GIL.
             self._grammars = self._make_grammars()
-        times = getattr(self.runner, "start_times", None)  # a tensor-parallel lead has none
+        self.start_seconds: dict[str, float] = {}
+        """Seconds of each part of this engine's start, in order (/server_info;
+        none where a tensor-parallel lead starts its ranks)."""
+        times = getattr(self.runner, "start_times", None)
         if times is not None:
             times.done("grammar compiler" if self._grammars is not None else "scheduler")
+            self.start_seconds = {part: round(s, 2) for part, s in times.parts.items()}
             log.info("engine %s", times.describe())
         self._rng = random.Random(config.seed)
         self._rids: set[str] = set()

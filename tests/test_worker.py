@@ -189,6 +189,9 @@ def test_server_info(worker: Worker, model_dir: str) -> None:
     assert info["page_size"] == 4
     assert info["context_length"] == 128
     assert info["url"] == worker.url
+    # Where the start went, in order (the engine's log line says the same).
+    assert list(info["start_seconds"]) == ["weights", "KV pool", "attention", "scheduler"]
+    assert all(s >= 0 for s in info["start_seconds"].values())
     stats = info["stats"]
     assert stats["total_pages"] == ENGINE["num_pages"] - 1
     for key in ("free_pages", "cached_pages", "available_pages", "running", "waiting"):

@@ -115,6 +115,7 @@ class WorkerLoop(ABC):
                 max_model_len=engine.max_model_len,
                 num_pages=cfg.num_pages,
                 kv_pool=engine.runner.pool_sizing,
+                start_seconds=engine.start_seconds,
                 device=cfg.device,
                 dtype=str(mc.dtype).removeprefix("torch."),
                 attention_backend=cfg.attention_backend,
