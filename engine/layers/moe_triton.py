@@ -513,7 +513,7 @@ def route_rows(
     """The top-k weights and expert ids of ``rows`` under the ``router``
     matrix: its product in the routing kernel up to ``ROUTER_ROWS`` rows
     (``route_from``), else the product's logits routed (``route``)."""
-    if rows.shape[0] <= ROUTER_ROWS and rows.stride(1) == 1 and router.is_contiguous():
+    if takes_rows(rows, router):
         return route_from(rows, router, top_k, renormalize)
     return route_two_kernels(rows, router, top_k, renormalize)
 
@@ -526,18 +526,31 @@ def route_two_kernels(
     return route(linear(rows, router), top_k, renormalize)
 
 
+def takes_rows(rows: torch.Tensor, router: torch.Tensor) -> bool:
+    """Whether ``route_from`` takes ``rows`` ``[n, hidden]`` and ``router``
+    ``[experts, hidden]``: 1 to ``ROUTER_ROWS`` rows of unit stride, a
+    contiguous router of their width."""
+    return (
+        1 <= rows.shape[0] <= ROUTER_ROWS
+        and rows.stride(1) == 1
+        and router.is_contiguous()
+        and router.shape[1] == rows.shape[1]
+    )
+
+
 def route_from(
     rows: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route(linear(rows, router))`` for up to ``ROUTER_ROWS`` tokens in one
     kernel: ``rows`` ``[n, hidden]``, ``router`` ``[experts, hidden]``. The
     logits are rounded to the rows' dtype, as the product's output is."""
+    if not takes_rows(rows, router):
+        raise ValueError(
+            f"route_from takes 1 to {ROUTER_ROWS} rows of unit stride and a contiguous "
+            f"router of their width, got rows {tuple(rows.shape)}, router {tuple(router.shape)}"
+        )
     n, hidden = rows.shape
     experts = router.shape[0]
-    if not 1 <= n <= ROUTER_ROWS:
-        raise ValueError(f"route_from takes 1 to {ROUTER_ROWS} rows, got {n}")
-    if rows.stride(1) != 1 or not router.is_contiguous() or router.shape[1] != hidden:
-        raise ValueError("route_from needs rows with unit stride and a contiguous router")
     logits = torch.empty(n, experts, dtype=rows.dtype, device=rows.device)
     weights = torch.empty(n, top_k, dtype=torch.float32, device=rows.device)
     ids = torch.empty(n, top_k, dtype=torch.int32, device=rows.device)
