@@ -57,7 +57,7 @@ def _case(n: int, experts: int, top_k: int, hidden: int, inter: int, seed: int):
 
 
 def test_route_matches_torch() -> None:
-    from engine.layers import moe_triton
+    from engine.layers import moe_route
 
     # 5 tokens: one-token programs; 300: blocks of tokens.
     for n, experts, top_k, renorm in (
@@ -67,7 +67,7 @@ def test_route_matches_torch() -> None:
         (5, 8, 2, True),
     ):
         logits = torch.randn(n, experts, device="cuda").to(torch.bfloat16)
-        w, ids = moe_triton.route(logits, top_k, renorm)
+        w, ids = moe_route.route(logits, top_k, renorm)
         rw, rids = moe.route(logits, top_k, renorm)
         # Same experts (order within a row may differ only on exact ties).
         assert torch.equal(ids.sort(-1).values, rids.sort(-1).values)
@@ -79,26 +79,26 @@ def test_the_router_product_in_the_routing_kernel() -> None:
     Qwen3-30B-A3B's and Qwen1.5-MoE's router shapes: the experts and weights
     of the product's logits routed, eager and replayed from a CUDA graph
     (the arrival counter left at zero for the next replay)."""
-    from engine.layers import moe_triton, skinny
+    from engine.layers import moe_route, skinny
     from engine.layers.gemv import linear
 
     for n, experts, top_k, hidden in ((1, 128, 8, 2048), (3, 60, 4, 2048), (4, 128, 8, 2048)):
         g = torch.Generator(device="cuda").manual_seed(n)
         x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
         router = (torch.randn(experts, hidden, device="cuda", generator=g) * 0.02).bfloat16()
-        w, ids = moe_triton.route_from(x, router, top_k, True)
+        w, ids = moe_route.route_from(x, router, top_k, True)
         logits = (x.double() @ router.double().t()).bfloat16()
         rw, rids = moe.route(logits.float(), top_k, True)
         assert torch.equal(ids.sort(-1).values, rids.sort(-1).values.int())
         torch.testing.assert_close(w.sort(-1).values, rw.sort(-1).values, rtol=1e-2, atol=1e-3)
         got, want = (
-            moe_triton.route_rows(x, router, top_k, True),
-            moe_triton.route(linear(x, router), top_k, True),
+            moe_route.route_rows(x, router, top_k, True),
+            moe_route.route(linear(x, router), top_k, True),
         )
         assert torch.equal(got[1].sort(-1).values, want[1].sort(-1).values)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            gw, gids = moe_triton.route_from(x, router, top_k, True)
+            gw, gids = moe_route.route_from(x, router, top_k, True)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
@@ -126,13 +126,13 @@ def test_fused_experts_match_float64(n: int) -> None:
 
 @pytest.mark.parametrize("n", [1, 3, 64, 256])
 def test_fused_experts_replay_in_a_graph(n: int) -> None:
-    from engine.layers import moe_triton
+    from engine.layers import moe_route, moe_triton
 
     experts, top_k, hidden, inter = 64, 8, 1024, 384
     x, w13, w2, logits = _case(n, experts, top_k, hidden, inter, seed=7 + n)
 
     def step() -> torch.Tensor:
-        weights, ids = moe_triton.route(logits, top_k, True)
+        weights, ids = moe_route.route(logits, top_k, True)
         return moe_triton.fused_experts(x, w13, w2, weights, ids)
 
     step()  # compile outside the capture

@@ -37,11 +37,11 @@ def _case(n: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torc
 def test_route_matches_torch(
     experts: int, top_k: int, renormalize: bool, tiles: tuple[int, int]
 ) -> None:
-    from engine.layers import moe_triton
+    from engine.layers import moe_route
 
     # 37 tokens: the last block of 16 is partly past the end.
     logits = torch.randn(37, experts, generator=torch.Generator().manual_seed(experts))
-    w, ids = moe_triton.route(logits, top_k, renormalize, moe_triton.RouteTiles(*tiles))
+    w, ids = moe_route.route(logits, top_k, renormalize, moe_route.RouteTiles(*tiles))
     rw, rids = route(logits, top_k, renormalize)
     assert ids.dtype == torch.int32 and ids.tolist() == rids.tolist()
     torch.testing.assert_close(w, rw)
@@ -59,19 +59,19 @@ def test_the_router_product_in_the_routing_kernel(
     last block partial; hidden 1100: the last k tile partial), routed by
     the last program to arrive, as the logits' product routed by torch; and
     the arrival counter left at zero."""
-    from engine.layers import moe_triton, skinny
+    from engine.layers import moe_route, skinny
 
     g = torch.Generator().manual_seed(n * experts + hidden)
     x = torch.randn(n, hidden, generator=g).half()
     router = (torch.randn(experts, hidden, generator=g) / hidden**0.5).half()
-    w, ids = moe_triton.route_from(x, router, top_k, renormalize)
+    w, ids = moe_route.route_from(x, router, top_k, renormalize)
     logits = (x.double() @ router.double().t()).half()  # rounded as the product's output
     rw, rids = route(logits.float(), top_k, renormalize)
     assert ids.dtype == torch.int32 and ids.tolist() == rids.tolist()
     torch.testing.assert_close(w, rw)
     assert int(skinny.scratch_of(x.device)[1][0]) == 0
     with pytest.raises(ValueError, match="1 to"):
-        moe_triton.route_from(x.new_zeros(moe_triton.ROUTER_ROWS + 1, hidden), router, 1, True)
+        moe_route.route_from(x.new_zeros(moe_route.ROUTER_ROWS + 1, hidden), router, 1, True)
 
 
 @interpreted

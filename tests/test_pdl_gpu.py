@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_triton, pdl
+from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_route, moe_triton, pdl
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +59,7 @@ def _moe_chain(
 ) -> torch.Tensor:
     """Routing and the experts of a few layers, each on the last output."""
     for _ in range(6):
-        weights, ids = moe_triton.route(gemv.linear(x, router), 8, True)
+        weights, ids = moe_route.route(gemv.linear(x, router), 8, True)
         x = moe_triton.fused_experts(x, w13, w2, weights, ids)
     return x
 

@@ -12,7 +12,7 @@ of the experts the tokens touch at the memory's rate, and the FLOPs at the
 tensor cores' dense bf16 rate; the larger is the floor. ``--sweep`` also times
 both paths (matrix-vector, grouped GEMM) and a grid of GEMM tiles for each
 count. Each configuration's output is checked against the torch reference.
-Up to ``moe_triton.ROUTER_ROWS`` tokens the router is also timed from the
+Up to ``moe_route.ROUTER_ROWS`` tokens the router is also timed from the
 tokens: its product and the routing as two kernels (``router_us``) and as one
 (``route_from``, ``router_fused_us``, the engine's), over router copies that
 L2 does not hold. Writes a JSON record to ``--output-file``.
@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_gemv import graph_us
-from engine.layers import moe, moe_triton
+from engine.layers import moe, moe_route, moe_triton
 from engine.model_config import ModelConfig
 
 HBM_BYTES_PER_S = 4.8e12
@@ -65,10 +65,10 @@ MIN_CALLS = 16
 """Expert launches per timed graph replay, at least: a replay's own fixed cost
 (about 10 us) spread over them, not charged to one."""
 SWEEP_ROUTE = (
-    moe_triton.RouteTiles(1, 1),
-    moe_triton.RouteTiles(2, 1),
-    moe_triton.RouteTiles(4, 2),
-    moe_triton.RouteTiles(16, 4),
+    moe_route.RouteTiles(1, 1),
+    moe_route.RouteTiles(2, 1),
+    moe_route.RouteTiles(4, 2),
+    moe_route.RouteTiles(16, 4),
 )
 
 
@@ -88,7 +88,7 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
     w2s = [torch.randn(e, hidden, inter, device=dev, dtype=bf16) * 0.02 for _ in range(copies)]
     x = torch.randn(n, hidden, device=dev, generator=gen).to(bf16)
     logits = torch.randn(n, e, device=dev, generator=gen).to(bf16)
-    weights, ids = moe_triton.route(logits, k, mc.moe.norm_topk_prob)
+    weights, ids = moe_route.route(logits, k, mc.moe.norm_topk_prob)
     used = touched_experts(ids)
     bytes_read = used * 3 * inter * hidden * 2
     flops = 2 * n * k * 3 * inter * hidden
@@ -111,20 +111,20 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
         calls *= max(1, MIN_CALLS // len(calls))  # the copies in turn, again and again
         return {"us": graph_us(calls, args.reps), "rel_err": err}
 
-    def route_us(tiles: moe_triton.RouteTiles | None) -> float:
+    def route_us(tiles: moe_route.RouteTiles | None) -> float:
         # Many launches per replay: one alone would time mostly the replay's
         # own fixed cost (about 10 us), not the kernel.
-        calls = [lambda: moe_triton.route(logits, k, mc.moe.norm_topk_prob, tiles)] * ROUTE_CALLS
+        calls = [lambda: moe_route.route(logits, k, mc.moe.norm_topk_prob, tiles)] * ROUTE_CALLS
         return graph_us(calls, args.reps)
 
     def router_us(fused: bool) -> float:
         # One router per layer of a forward, more than L2 holds.
-        step = moe_triton.route_from if fused else moe_triton.route_two_kernels
+        step = moe_route.route_from if fused else moe_route.route_two_kernels
         calls = [lambda r=r: step(x, r, k, mc.moe.norm_topk_prob) for r in routers]
         return graph_us(calls * max(1, ROUTE_CALLS // len(calls)), args.reps)
 
     routers = []
-    if n <= moe_triton.ROUTER_ROWS:
+    if n <= moe_route.ROUTER_ROWS:
         count = int(2 * L2_BYTES // (e * hidden * 2)) + 1
         routers = [torch.randn(e, hidden, device=dev, dtype=bf16) * 0.02 for _ in range(count)]
     row: dict[str, Any] = {

@@ -133,9 +133,9 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if use_fused(x):
-            from engine.layers import moe_triton
+            from engine.layers import moe_route
 
-            return moe_triton.route_rows(
+            return moe_route.route_rows(
                 x, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob
             )
         return route(linear(x, self.gate.weight), self.moe.top_k, self.moe.norm_topk_prob)
