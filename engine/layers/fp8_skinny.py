@@ -59,12 +59,6 @@ fewer bits than float32, and Triton lets them accumulate a whole K so:
 Llama's down product (K 14336) unsplit at 16 rows came out 4.0e-3 of its
 norm from float64 (``tests/test_fp8_gpu.py`` holds it under 4e-3); with
 precise sums, 1.7e-3."""
-L2_PREFETCH = True
-"""Where launched with programmatic dependent launch (``engine.layers.pdl``),
-each program first asks L2 for its weight tile's lines (``pdl.l2_prefetch``),
-then waits for the kernel before: the weights do not depend on that kernel,
-so their reading overlaps its tail (at one row, the norm's or the
-attention's one-program quantization before the product)."""
 DEFERRED_ROWS = BLOCK_M
 """Most rows a product quantizes as it loads them (``Deferred``): one row
 tile, whose every element (padding too) each k tile quantizes."""
@@ -139,7 +133,7 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    prologue, prefetch = pdl.prologue(), pdl.l2_prefetch()
+    prologue = pdl.prologue()
 
     @triton.jit
     def fp8_skinny(x, x_scale, w, w_scale, bias, out, part, count, maxes, M, N, stride_x,
@@ -149,22 +143,12 @@ def _kernel() -> Any:
                    PRE_QUANTIZED: tl.constexpr, GATED: tl.constexpr = False,
                    DEFERRED: tl.constexpr = False, PARTS: tl.constexpr = 1,
                    PARTS_BLOCK: tl.constexpr = 1, PRECISE: tl.constexpr = False,
-                   ONE_ROW: tl.constexpr = False, PDL: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = 0):  # fmt: skip
+                   ONE_ROW: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
-            if PREFETCH:
-                # This program's weight lines (and the up rows' where GATED),
-                # one address per 128-byte line; PREFETCH is a row's lines
-                # rounded up to a power of two, the excess repeating the last.
-                lines = tl.minimum(tl.arange(0, PREFETCH), K // SPLIT_K // 128 - 1) * 128
-                tile = w + n[:, None] * K + pid_k * (K // SPLIT_K) + lines[None, :]
-                prefetch(tile)
-                if GATED:
-                    prefetch(tile + N * K)
-            prologue()
         ms = tl.arange(0, BLOCK_M)
         m_ok = ms < M
         kk = tl.arange(0, BLOCK_K)
@@ -355,14 +339,6 @@ def gated(x: torch.Tensor | Quantized, q: torch.Tensor, scale: torch.Tensor, t: 
     return Deferred(out, maxes)
 
 
-def prefetch_lines(k_len: int) -> int:
-    """``PREFETCH`` for a program's ``k_len`` e4m3 weights a row: 0 (off, or
-    rows shorter than a line), else the row's 128-byte lines rounded up to
-    a power of two."""
-    lines = k_len // 128
-    return 1 << (lines - 1).bit_length() if L2_PREFETCH and lines else 0
-
-
 def _launch(
     x: torch.Tensor | Quantized | Deferred,
     q: torch.Tensor,
@@ -389,6 +365,6 @@ def _launch(
         SPLIT_K=t.split_k, UNROLL_SCALE=t.unroll_scale, PRE_QUANTIZED=pre, PRECISE=t.precise,
         GATED=gated_maxes is not None, DEFERRED=deferred, ONE_ROW=deferred and m == 1,
         PARTS=n_parts,
-        PARTS_BLOCK=1 << (n_parts - 1).bit_length(), PREFETCH=prefetch_lines(k // t.split_k),
+        PARTS_BLOCK=1 << (n_parts - 1).bit_length(),
         num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(rows.device),
     )  # fmt: skip

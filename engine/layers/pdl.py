@@ -80,27 +80,3 @@ def prologue() -> Any:
         tl.extra.cuda.gdc_launch_dependents()
 
     return pdl_prologue
-
-
-@cache
-def l2_prefetch() -> Any:
-    """A Triton function that asks L2 for the 128-byte line of every address
-    of a block of pointers (``prefetch.global.L2``: no register is loaded and
-    nothing waits for it). Called before ``prologue``, it lets a kernel start
-    reading what does not depend on the kernel before it (its weights) while
-    that kernel finishes; the loads after the wait then find them in L2."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def prefetch(ptrs):
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    return prefetch
