@@ -74,38 +74,6 @@ def test_route_matches_torch() -> None:
         torch.testing.assert_close(w.sort(-1).values, rw.sort(-1).values)
 
 
-def test_the_router_product_in_the_routing_kernel() -> None:
-    """``route_from`` (the router's product and its top-k in one kernel) at
-    Qwen3-30B-A3B's and Qwen1.5-MoE's router shapes: the experts and weights
-    of the product's logits routed, eager and replayed from a CUDA graph
-    (the arrival counter left at zero for the next replay)."""
-    from engine.layers import moe_route, skinny
-    from engine.layers.gemv import linear
-
-    for n, experts, top_k, hidden in ((1, 128, 8, 2048), (3, 60, 4, 2048), (4, 128, 8, 2048)):
-        g = torch.Generator(device="cuda").manual_seed(n)
-        x = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
-        router = (torch.randn(experts, hidden, device="cuda", generator=g) * 0.02).bfloat16()
-        w, ids = moe_route.route_from(x, router, top_k, True)
-        logits = (x.double() @ router.double().t()).bfloat16()
-        rw, rids = moe.route(logits.float(), top_k, True)
-        assert torch.equal(ids.sort(-1).values, rids.sort(-1).values.int())
-        torch.testing.assert_close(w.sort(-1).values, rw.sort(-1).values, rtol=1e-2, atol=1e-3)
-        got, want = (
-            moe_route.route_rows(x, router, top_k, True),
-            moe_route.route(linear(x, router), top_k, True),
-        )
-        assert torch.equal(got[1].sort(-1).values, want[1].sort(-1).values)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            gw, gids = moe_route.route_from(x, router, top_k, True)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(gids, ids) and torch.equal(gw, w)
-            assert int(skinny.scratch_of(x.device)[1][0]) == 0
-
-
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 64, 256, 1000, 4096])
 def test_fused_experts_match_float64(n: int) -> None:
     """Both paths (few pairs: matrix-vector; many: grouped GEMMs) in real

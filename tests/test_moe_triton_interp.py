@@ -48,33 +48,6 @@ def test_route_matches_torch(
 
 
 @interpreted
-@pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize(("n", "experts", "top_k", "hidden"), [
-    (1, 8, 2, 48), (3, 60, 4, 1100), (4, 128, 8, 64), (2, 6, 1, 700),
-])  # fmt: skip
-def test_the_router_product_in_the_routing_kernel(
-    n: int, experts: int, top_k: int, hidden: int, renormalize: bool
-) -> None:
-    """``route_from``: the router's product by blocks of experts (60: the
-    last block partial; hidden 1100: the last k tile partial), routed by
-    the last program to arrive, as the logits' product routed by torch; and
-    the arrival counter left at zero."""
-    from engine.layers import moe_route, skinny
-
-    g = torch.Generator().manual_seed(n * experts + hidden)
-    x = torch.randn(n, hidden, generator=g).half()
-    router = (torch.randn(experts, hidden, generator=g) / hidden**0.5).half()
-    w, ids = moe_route.route_from(x, router, top_k, renormalize)
-    logits = (x.double() @ router.double().t()).half()  # rounded as the product's output
-    rw, rids = route(logits.float(), top_k, renormalize)
-    assert ids.dtype == torch.int32 and ids.tolist() == rids.tolist()
-    torch.testing.assert_close(w, rw)
-    assert int(skinny.scratch_of(x.device)[1][0]) == 0
-    with pytest.raises(ValueError, match="1 to"):
-        moe_route.route_from(x.new_zeros(moe_route.ROUTER_ROWS + 1, hidden), router, 1, True)
-
-
-@interpreted
 @pytest.mark.parametrize(("block_m", "chunk"), [(4, 16), (16, 256)])
 def test_align_groups_every_pair_once(block_m: int, chunk: int) -> None:
     from engine.layers import moe_triton

@@ -12,10 +12,7 @@ of the experts the tokens touch at the memory's rate, and the FLOPs at the
 tensor cores' dense bf16 rate; the larger is the floor. ``--sweep`` also times
 both paths (matrix-vector, grouped GEMM) and a grid of GEMM tiles for each
 count. Each configuration's output is checked against the torch reference.
-Up to ``moe_route.ROUTER_ROWS`` tokens the router is also timed from the
-tokens: its product and the routing as two kernels (``router_us``) and as one
-(``route_from``, ``router_fused_us``, the engine's), over router copies that
-L2 does not hold. Writes a JSON record to ``--output-file``.
+Writes a JSON record to ``--output-file``.
 """
 
 from __future__ import annotations
@@ -117,16 +114,6 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
         calls = [lambda: moe_route.route(logits, k, mc.moe.norm_topk_prob, tiles)] * ROUTE_CALLS
         return graph_us(calls, args.reps)
 
-    def router_us(fused: bool) -> float:
-        # One router per layer of a forward, more than L2 holds.
-        step = moe_route.route_from if fused else moe_route.route_two_kernels
-        calls = [lambda r=r: step(x, r, k, mc.moe.norm_topk_prob) for r in routers]
-        return graph_us(calls * max(1, ROUTE_CALLS // len(calls)), args.reps)
-
-    routers = []
-    if n <= moe_route.ROUTER_ROWS:
-        count = int(2 * L2_BYTES // (e * hidden * 2)) + 1
-        routers = [torch.randn(e, hidden, device=dev, dtype=bf16) * 0.02 for _ in range(count)]
     row: dict[str, Any] = {
         "tokens": n,
         "experts_touched": used,
@@ -134,7 +121,6 @@ def bench_tokens(n: int, args: argparse.Namespace, mc: ModelConfig) -> dict[str,
         "flops": flops,
         "floor_us": floor_us,
         "route_us": route_us(None),
-        **({"router_us": router_us(False), "router_fused_us": router_us(True)} if routers else {}),
         "default": time_config(moe_triton.SMALL_PAIRS, None),
     }
     row["default"]["of_floor"] = floor_us / row["default"]["us"]
@@ -190,18 +176,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = [bench_tokens(n, args, mc) for n in args.tokens]
     print(
         f"{'tokens':>7} {'experts':>8} {'route us':>9} {'experts us':>11} {'floor us':>9} "
-        f"{'of floor':>9} {'rel err':>8}  router from the tokens: two kernels / one"
+        f"{'of floor':>9} {'rel err':>8}"
     )
     for r in rows:
         d = r["default"]
         print(
             f"{r['tokens']:>7} {r['experts_touched']:>8} {r['route_us']:>9.1f} {d['us']:>11.1f} "
             f"{r['floor_us']:>9.1f} {d['of_floor']:>9.2f} {d['rel_err']:>8.1e}"
-            + (
-                f"  {r['router_us']:.1f} / {r['router_fused_us']:.1f} us"
-                if "router_us" in r
-                else ""
-            )
             + (
                 f"  best {r['sweep_best']['us']:.1f} us "
                 f"{r['sweep_best'].get('tiles') or r['sweep_best'].get('gemv')}"

@@ -10,8 +10,8 @@ Experts, two paths chosen by the number of (token, expert) pairs:
   ``gate_up`` computes the gate and up rows of a block together and stores
   ``silu(gate) * up``; ``down`` gives each token its ``top_k`` experts'
   products weighted by the router and summed, so no pair-sized output exists.
-  Three kernels per layer with the router's (its product in it up to
-  ``moe_route.ROUTER_ROWS`` tokens); weights read: the chosen experts' only.
+  Four kernels per layer with the router's product and its routing;
+  weights read: the chosen experts' only.
 - **Many pairs** (prefill, large batches): the pairs are grouped by expert
   into segments padded to the GEMM's row block (``align``: one kernel, every
   program counts all experts with a histogram and places its own expert's
@@ -519,9 +519,8 @@ def fused_experts(
 
 
 def kernel_choice(n: int, experts: int, top_k: int) -> tuple[Any, ...]:
-    """What decides which compiled kernels ``n`` tokens run: the router's
-    (its product in the routing kernel, or its tiles), and the experts' path
-    and tiles."""
+    """What decides which compiled kernels ``n`` tokens run: the routing's
+    tiles, and the experts' path and tiles."""
     pairs = n * top_k
     experts_choice = None if pairs <= SMALL_PAIRS else gemm_tiles(pairs, experts)
     return moe_route.kernel_choice(n), experts_choice
