@@ -3,10 +3,8 @@ residual add), rotary embedding and SiLU-and-mul.
 
 ``TorchKernels`` is the reference (any device, float32 norm statistics like HF
 transformers). ``FlashInferKernels`` runs each op as one fused CUDA kernel: the
-residual add and the norm in one pass (a forward's rows in
-``engine.layers.norm_triton``'s kernel, launched with programmatic dependent
-launch; FlashInfer's for per-head norms), rotary applied in place on the q/k
-views of the QKV projection's output from a float32 cos/sin cache. A model is built
+residual add and the norm in one pass, rotary applied in place on the q/k views
+of the QKV projection's output from a float32 cos/sin cache. A model is built
 with one set; the runner picks FlashInfer's wherever its attention runs.
 """
 
@@ -18,8 +16,6 @@ from typing import Protocol
 
 import torch
 from torch.nn import functional as F
-
-from engine.layers import norm_triton
 
 KERNELS = ("torch", "flashinfer")
 
@@ -121,16 +117,12 @@ class FlashInferKernels(LayerKernels):
         self._act = flashinfer.activation
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if norm_triton.fits(x):
-            return norm_triton.rms_norm(x, weight, eps)
         return self._norm.rmsnorm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # In place: residual += x, then x = rms_norm(residual).
-        if norm_triton.fits(x) and residual.stride(-1) == 1:
-            return norm_triton.add_rms_norm(x, residual, weight, eps)
         self._norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 
