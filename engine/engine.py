@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -42,20 +43,22 @@ class Engine:
         self.runner = make_runner(config.resolve(model_config), model_config)
         self.config = self.runner.config
         """Resolved, with the KV pool's size (the runner may size it from the device)."""
+        times = getattr(self.runner, "start_times", None)
+        mark = times.done if times is not None else None
         self.scheduler = scheduler_cls(self.config, model_config, self.runner.pool)
+        if mark is not None:
+            mark("scheduler")
         if self.config.device.startswith("cuda"):
             # Made now, before the worker reports healthy, so that the first
             # grammar request does not wait seconds for it (on a CPU, on first
             # use: tests need it rarely). Not in a thread beside the weights'
             # loading and the graph capture: there the start took 10 s longer
             # on an H100, the two contending for the GIL.
-            self._grammars = self._make_grammars()
+            self._grammars = self._make_grammars(mark)
         self.start_seconds: dict[str, float] = {}
         """Seconds of each part of this engine's start, in order (/server_info;
         none where a tensor-parallel lead starts its ranks)."""
-        times = getattr(self.runner, "start_times", None)
         if times is not None:
-            times.done("grammar compiler" if self._grammars is not None else "scheduler")
             self.start_seconds = {part: round(s, 2) for part, s in times.parts.items()}
             log.info("engine %s", times.describe())
         self._rng = random.Random(config.seed)
@@ -142,10 +145,14 @@ class Engine:
             raise self._grammars
         return self._grammars
 
-    def _make_grammars(self) -> GrammarBackend | Exception:
+    def _make_grammars(
+        self, mark: Callable[[str], None] | None = None
+    ) -> GrammarBackend | Exception:
         mc = self.model_config
         try:
-            return GrammarBackend.for_model(self.config.model, mc.vocab_size, mc.eos_token_ids)
+            return GrammarBackend.for_model(
+                self.config.model, mc.vocab_size, mc.eos_token_ids, mark=mark
+            )
         except Exception as e:  # noqa: BLE001 (handed to every request that asks)
             return e
 

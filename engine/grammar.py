@@ -132,11 +132,17 @@ class GrammarBackend:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         fill_threads: int | None = None,
+        mark: Callable[[str], None] | None = None,
     ) -> GrammarBackend:
-        """The backend of the HF tokenizer files in ``model_dir``."""
+        """The backend of the HF tokenizer files in ``model_dir``. ``mark``
+        (``runner.StartTimes.done``) is called with the name of each step as it
+        ends: the imports, the tokenizer's loading, xgrammar's view of its
+        vocabulary, the compiler."""
+        done = mark or (lambda part: None)
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
+        done("grammar imports")
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except Exception as e:  # noqa: BLE001 (any loader failure means the same)
@@ -144,10 +150,14 @@ class GrammarBackend:
                 f"structured output needs the model's tokenizer files, which {model_dir} "
                 f"does not provide: {e}"
             ) from e
+        done("tokenizer")
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        return cls(info, stop_token_ids, fill_threads=fill_threads)
+        done("tokenizer vocabulary")
+        backend = cls(info, stop_token_ids, fill_threads=fill_threads)
+        done("grammar compiler")
+        return backend
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of ``spec`` (``GrammarError`` if it has none)."""

@@ -445,3 +445,19 @@ def test_batched_step_on_cuda_matches_serial_reference(
     monkeypatch.setattr(GrammarStep, "__call__", serial_mask)
     serial = llm.generate(prompts, params)
     assert [o.token_ids for o in batched] == [o.token_ids for o in serial]
+
+
+def test_the_backend_marks_each_step_of_its_making(model_dir: str) -> None:
+    """``for_model``'s ``mark`` hears each step's end in order (the engine's
+    start times them on CUDA), and a model without tokenizer files marks
+    the imports only before it says so."""
+    from engine.grammar import GrammarBackend, GrammarError
+
+    steps: list[str] = []
+    backend = GrammarBackend.for_model(model_dir, 1000, [0], mark=steps.append)
+    assert backend.vocab_size == 1000
+    assert steps == ["grammar imports", "tokenizer", "tokenizer vocabulary", "grammar compiler"]
+    steps.clear()
+    with pytest.raises(GrammarError, match="tokenizer files"):
+        GrammarBackend.for_model("/nonexistent-model-dir", 1000, [0], mark=steps.append)
+    assert steps == ["grammar imports"]
