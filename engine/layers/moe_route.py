@@ -129,11 +129,5 @@ def route_rows(
     return route(linear(rows, router), top_k, renormalize)
 
 
-def kernel_choice(n: int) -> Any:
-    """What decides the routing kernel ``route_rows`` runs for ``n`` tokens:
-    the tiles of the logits' routing."""
-    return route_tiles(n)
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.layers import moe_route, pdl
-from engine.layers.moe_route import pow2, route_rows, triton_cdiv
+from engine.layers import pdl
+from engine.layers.moe_route import pow2, route_rows, route_tiles, triton_cdiv
 
 SMALL_PAIRS = 32
 """Up to this many (token, expert) pairs take the matrix-vector path."""
@@ -522,8 +522,7 @@ def kernel_choice(n: int, experts: int, top_k: int) -> tuple[Any, ...]:
     """What decides which compiled kernels ``n`` tokens run: the routing's
     tiles, and the experts' path and tiles."""
     pairs = n * top_k
-    experts_choice = None if pairs <= SMALL_PAIRS else gemm_tiles(pairs, experts)
-    return moe_route.kernel_choice(n), experts_choice
+    return route_tiles(n), None if pairs <= SMALL_PAIRS else gemm_tiles(pairs, experts)
 
 
 def warm_up(
