@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from engine.layers import fp8_quant
-from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Quantized
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, PRECISE_K, SCALE_FLOOR, Quantized
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +52,9 @@ def linear(
     per token (here, or already by the kernel that made it: ``Quantized``);
     the result in ``x``'s dtype. ``torch._scaled_mm`` (cuBLASLt's FP8
     tensor-core GEMM on Hopper, its own kernel on the CPU) where it takes the
-    shapes and dtype, else ``reference_product``. (On CUDA a few rows take
-    ``engine.layers.fp8_skinny`` instead: ``engine.layers.linear.any_linear``.)"""
+    shapes and dtype, summing in the tensor cores' own accumulator up to
+    ``fp8_quant.PRECISE_K``, else ``reference_product``. (On CUDA a few rows
+    take ``engine.layers.fp8_skinny`` instead: ``engine.layers.linear.any_linear``.)"""
     if isinstance(x, Quantized):
         xq, sx, dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
     else:
@@ -68,6 +69,7 @@ def linear(
             scale_a=sx[:, None].contiguous(),
             scale_b=scale.float()[None, :].contiguous(),
             out_dtype=dtype,
+            use_fast_accum=q.shape[1] <= PRECISE_K,
         )
     else:
         y = reference_product(xq, sx, q, scale).to(dtype)

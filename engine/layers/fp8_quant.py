@@ -27,6 +27,16 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
 SCALE_FLOOR = 1e-12
 """Floor of a scale, so an all-zero row or token quantizes to zeros."""
+PRECISE_K = 8192
+"""Longest K an FP8 product sums in the tensor cores' own accumulator. On
+sm_90 the e4m3 tensor-core instructions accumulate in fewer bits than
+float32: Llama's down product (K 14336) summed so at 16 rows came out
+4.0e-3 of its norm from float64 (``tests/test_fp8_gpu.py`` holds it under
+4e-3), against 1.7e-3 with each k tile's sum kept in float32. So a longer K
+keeps float32 sums: ``fp8_skinny.tiles`` splits it or keeps each tile's sum
+(``Tiles.precise``), and ``fp8.linear`` asks cuBLASLt for its promoted
+accumulation (``torch._scaled_mm``'s ``use_fast_accum`` off); up to it both
+let the tensor cores accumulate, the faster way."""
 FUSED_MAX_K = 32768
 """Widest row the fused kernels hold in registers."""
 

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from engine.layers import pdl
-from engine.layers.fp8_quant import E4M3, E4M3_MAX, SCALE_FLOOR, Deferred, Quantized
+from engine.layers.fp8_quant import E4M3, E4M3_MAX, PRECISE_K, SCALE_FLOOR, Deferred, Quantized
 from engine.layers.skinny import MAX_ROW_TILES, PARTIAL_BYTES, scratch_of
 
 MAX_ROWS = 64
@@ -51,14 +51,6 @@ MAX_ROWS = 64
 on the H200 (docs/benchmarks.md, FP8)."""
 BLOCK_M = 16
 """The narrowest input-row tile: the matrix instructions' narrowest operand."""
-PRECISE_K = 8192
-"""Longest K one program sums in the tensor cores alone (``tiles`` keeps
-each k tile's sum of a longer one in float32, ``Tiles.precise``, or splits
-it). On sm_90 the e4m3 tensor-core instructions accumulate in
-fewer bits than float32, and Triton lets them accumulate a whole K so:
-Llama's down product (K 14336) unsplit at 16 rows came out 4.0e-3 of its
-norm from float64 (``tests/test_fp8_gpu.py`` holds it under 4e-3); with
-precise sums, 1.7e-3."""
 DEFERRED_ROWS = BLOCK_M
 """Most rows a product quantizes as it loads them (``Deferred``): one row
 tile, whose every element (padding too) each k tile quantizes."""
