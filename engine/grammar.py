@@ -92,6 +92,23 @@ def _fill_threads() -> int:
     return max(1, min(8, usable_cores() // 2))
 
 
+def load_tokenizer(model_dir: str) -> Any:
+    """The transformers tokenizer xgrammar reads the vocabulary from. Where
+    ``tokenizer.json`` is present, the fast tokenizer's base class reads it
+    as it is: xgrammar imports that class anyway, while ``AutoTokenizer``
+    imports transformers' model registry, whose imports (torch.distributed's
+    tensor ops, torch._dynamo, scikit-learn where installed) took seconds of
+    a worker's start on a GPU host (docs/operating.md). Otherwise (a SentencePiece or tiktoken
+    model) ``AutoTokenizer`` picks the class."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 class GrammarBackend:
     """Compiles ``GrammarSpec``s for one tokenizer and makes request matchers.
 
@@ -140,11 +157,10 @@ class GrammarBackend:
         vocabulary, the compiler."""
         done = mark or (lambda part: None)
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
         done("grammar imports")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = load_tokenizer(model_dir)
         except Exception as e:  # noqa: BLE001 (any loader failure means the same)
             raise GrammarError(
                 f"structured output needs the model's tokenizer files, which {model_dir} "

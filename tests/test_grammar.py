@@ -461,3 +461,89 @@ def test_the_backend_marks_each_step_of_its_making(model_dir: str) -> None:
     with pytest.raises(GrammarError, match="tokenizer files"):
         GrammarBackend.for_model("/nonexistent-model-dir", 1000, [0], mark=steps.append)
     assert steps == ["grammar imports"]
+
+
+@pytest.mark.parametrize(
+    "tokenizer_class", ["PreTrainedTokenizerFast", "Qwen2Tokenizer", "GPT2Tokenizer"]
+)
+def test_the_backend_reads_the_vocabulary_autotokenizer_gives(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer_class: str
+) -> None:
+    """``load_tokenizer`` reads tokenizer.json with the fast tokenizer's base
+    class, whatever class tokenizer_config.json names: xgrammar then sees
+    the same vocabulary, vocabulary type, prefix space and special tokens as
+    through ``AutoTokenizer``, which the backend never calls where
+    tokenizer.json is present."""
+    import shutil
+
+    import transformers
+    import xgrammar as xgr
+
+    from engine.grammar import GrammarBackend, load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": tokenizer_class})
+    )
+
+    def info(tokenizer: object) -> tuple:
+        i = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=600, stop_token_ids=[2])
+        return i.vocab_type, i.add_prefix_space, i.decoded_vocab, i.special_token_ids
+
+    expected = info(transformers.AutoTokenizer.from_pretrained(str(model)))
+    assert info(load_tokenizer(str(model))) == expected
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("AutoTokenizer called")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    backend = GrammarBackend.for_model(str(model), 600, [2])
+    got = backend.info
+    assert (got.vocab_type, got.add_prefix_space, got.decoded_vocab) == expected[:3]
+
+
+def test_without_tokenizer_json_autotokenizer_picks_the_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model without tokenizer.json (SentencePiece or tiktoken files) is
+    loaded by ``AutoTokenizer``, which picks its class."""
+    import transformers
+
+    from engine.grammar import load_tokenizer
+
+    seen: list[str] = []
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda path: seen.append(path) or "tok"
+    )
+    assert load_tokenizer(str(tmp_path)) == "tok"
+    assert seen == [str(tmp_path)]
+
+
+def test_an_engine_of_a_preset_finds_its_tokenizer(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine given a preset's name (random weights) serves grammar
+    requests from the tokenizer of the preset's dummy directory: its config
+    names that directory, not the name, which the tokenizer would look up on
+    the Hub."""
+    from engine import presets
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    preset = json.loads((Path(model_dir) / "config.json").read_text())
+    monkeypatch.setitem(presets.PRESETS, "tiny-preset", preset)
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path))
+    engine = Engine(
+        EngineConfig(
+            model="tiny-preset", load_format="dummy", device="cpu", page_size=4, num_pages=64
+        )
+    )
+    try:
+        assert Path(engine.config.model).is_relative_to(tmp_path)
+        assert (Path(engine.config.model) / "tokenizer.json").is_file()
+        backend = engine.grammar_backend()
+        assert backend.vocab_size == engine.model_config.vocab_size
+    finally:
+        engine.close()
