@@ -31,12 +31,12 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.presets import PRESETS
-from engine.tiny import MARKER_NAME, build_once, default_cache_root
+from engine.tiny import CONFIG_TRANSFORMERS_VERSION, MARKER_NAME, build_once, default_cache_root
 
 UNK_TOKEN = "<unk>"
 WORD = "\u2581"
 """Marks a token that starts a word (decoded as a space before it)."""
-RECIPE = 2
+RECIPE = 3
 """Changes with the directory's contents, so a cached one is rebuilt."""
 CHARS = [chr(c) for c in range(32, 127)]
 """Printable ASCII, one token each."""
@@ -116,6 +116,7 @@ def write_dummy_model(config: str | Mapping[str, Any], out_dir: str | Path) -> P
     cfg = load_config(config) if isinstance(config, str) else dict(config)
     arch = (cfg.get("architectures") or [""])[0]
     cfg.setdefault("model_type", MODEL_TYPES.get(arch, "llama"))
+    cfg.setdefault("transformers_version", CONFIG_TRANSFORMERS_VERSION)
     vocab_size = int(cfg["vocab_size"])
     specials = special_tokens(cfg)
     out = Path(out_dir)

@@ -39,7 +39,14 @@ __all__ = [
 TINY_MODEL_NAME = "tiny-llama"
 
 # Bump when the build code changes in a way the recipe dict below does not capture.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+
+CONFIG_TRANSFORMERS_VERSION = "5.0.0"
+"""The ``transformers_version`` the config.json files written here record
+(transformers writes the version that saved a config). transformers from
+4.57.2 to early 5.x takes a local tokenizer whose config records none as
+possibly Mistral's, with a broken pre-tokenizer regex, and warns at every
+load that its tokenization is wrong; 5.0.0 and later it does not."""
 
 MARKER_NAME = ".complete"
 _TMP_INFIX = ".tmp-"
@@ -376,7 +383,9 @@ def _build_into(out: Path) -> None:
             "additional_special_tokens": [IM_START, IM_END],
         },
     )
-    _write_json(out / "config.json", MODEL_CONFIG)
+    _write_json(
+        out / "config.json", {**MODEL_CONFIG, "transformers_version": CONFIG_TRANSFORMERS_VERSION}
+    )
     _write_json(
         out / "generation_config.json",
         {

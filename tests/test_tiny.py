@@ -335,3 +335,22 @@ def test_transformers_load_and_generate(model_dir):
         a = model(ids).logits[0, -1]
         b = model(other).logits[0, -1]
     assert (a - b).abs().max() > 1e-2
+
+
+def test_configs_record_a_transformers_version(model_dir, tmp_path):
+    """The tiny model's and a dummy preset's config.json record a
+    ``transformers_version`` of 5.0.0 or later: transformers 4.57.2 to early
+    5.x takes a local tokenizer whose config records none for Mistral's, and
+    warns at every load that its tokenization is wrong. A preset's own
+    version, where it has one, is kept."""
+    from packaging.version import Version
+
+    from engine.dummy_model import write_dummy_model
+
+    dummy = write_dummy_model("qwen3-0.6b", tmp_path / "dummy")
+    for d in (model_dir, dummy):
+        cfg = json.loads((d / "config.json").read_text())
+        assert Version(cfg["transformers_version"]) >= Version("5.0.0"), d
+    own = {**json.loads((dummy / "config.json").read_text()), "transformers_version": "4.51.0"}
+    kept = write_dummy_model(own, tmp_path / "own")
+    assert json.loads((kept / "config.json").read_text())["transformers_version"] == "4.51.0"
