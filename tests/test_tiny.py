@@ -343,14 +343,13 @@ def test_configs_record_a_transformers_version(model_dir, tmp_path):
     5.x takes a local tokenizer whose config records none for Mistral's, and
     warns at every load that its tokenization is wrong. A preset's own
     version, where it has one, is kept."""
-    from packaging.version import Version
-
     from engine.dummy_model import write_dummy_model
 
     dummy = write_dummy_model("qwen3-0.6b", tmp_path / "dummy")
     for d in (model_dir, dummy):
         cfg = json.loads((d / "config.json").read_text())
-        assert Version(cfg["transformers_version"]) >= Version("5.0.0"), d
+        major = int(cfg["transformers_version"].split(".")[0])
+        assert major >= 5, d
     own = {**json.loads((dummy / "config.json").read_text()), "transformers_version": "4.51.0"}
     kept = write_dummy_model(own, tmp_path / "own")
     assert json.loads((kept / "config.json").read_text())["transformers_version"] == "4.51.0"
