@@ -73,6 +73,8 @@ TRITON_TILES = {
     "triton-wv-b8": dict(block_pages=8, warps=8, stages=2, early_v=True, widen_v=True),
     "triton-wv-b8-w4": dict(block_pages=8, warps=4, stages=2, early_v=True, widen_v=True),
     "triton-wv-b8-s3": dict(block_pages=8, warps=8, stages=3, early_v=True, widen_v=True),
+    "triton-wv-b8-s5": dict(block_pages=8, warps=8, stages=5, early_v=True, widen_v=True),
+    "triton-wv-b4-s5": dict(block_pages=4, warps=4, stages=5, early_v=True, widen_v=True),
     "triton-wv-b16": dict(block_pages=16, warps=8, stages=2, early_v=True, widen_v=True),
     "triton-wv-b16-w16": dict(block_pages=16, warps=16, stages=2, early_v=True, widen_v=True),
     "triton-wv-b4-w8": dict(block_pages=4, warps=8, stages=2, early_v=True, widen_v=True),

@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     header = (
         f"{'batch':>5} {'variant':<16} {'tile':>4} {'warps':>5} {'regs':>4} {'stack':>5} "
-        f"{'shared':>7} {'warps/SM':>8} {'loop':>5} {'/token':>6}  byte loads, ldmatrix"
+        f"{'shared':>7} {'warps/SM':>8} {'loop':>5} {'/token':>6}  byte loads, ldmatrix; "
+        "page indices: waited, copied ahead"
     )
 
     def attention(preset: str, batch: int, workdir: Path) -> list[dict]:
@@ -256,11 +257,16 @@ def _attention_line(r: dict) -> str:
     loop = r["loop"]
     byte_loads = sum(v for k, v in loop.items() if k in ("LDS.U8", "LDS.S8"))
     ldsm = sum(v for k, v in loop.items() if k.startswith("LDSM"))
+    # The loop's only plain global loads are the page table's; copied
+    # ahead (asynchronously, 4 bytes) where the pipeline gives them a stage
+    # of their own, while K and V take 16-byte asynchronous copies.
+    waited = loop.get("LDG.E", 0)
+    ahead = loop.get("LDGSTS.E", 0)
     return (
         f"{r['batch_size']:>5} {r['variant']:<16} {r['tile_tokens']:>4} {r['plan']['warps']:>5} "
         f"{r['registers']:>4} {r['stack_bytes']:>5} {r['shared_bytes']:>7} "
         f"{r['warps_per_sm']:>8} {r['loop_instructions']:>5} "
-        f"{r['instructions_per_token']:>6.1f}  {byte_loads}, {ldsm}"
+        f"{r['instructions_per_token']:>6.1f}  {byte_loads}, {ldsm}; {waited}, {ahead}"
     )
 
 
