@@ -98,8 +98,8 @@ def load_tokenizer(model_dir: str) -> Any:
     as it is: xgrammar imports that class anyway, while ``AutoTokenizer``
     imports transformers' model registry, whose imports (torch.distributed's
     tensor ops, torch._dynamo, scikit-learn where installed) took seconds of
-    a worker's start on a GPU host (docs/operating.md). Otherwise (a SentencePiece or tiktoken
-    model) ``AutoTokenizer`` picks the class."""
+    a worker's start on a GPU host (docs/operating.md). Otherwise (a
+    SentencePiece or tiktoken model) ``AutoTokenizer`` picks the class."""
     if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         from transformers import PreTrainedTokenizerFast
 

@@ -46,7 +46,8 @@ CONFIG_TRANSFORMERS_VERSION = "5.0.0"
 (transformers writes the version that saved a config). transformers from
 4.57.2 to early 5.x takes a local tokenizer whose config records none as
 possibly Mistral's, with a broken pre-tokenizer regex, and warns at every
-load that its tokenization is wrong; 5.0.0 and later it does not."""
+load that its tokenization is wrong; every version of that check passes a
+config that records 5.0.0 or later."""
 
 MARKER_NAME = ".complete"
 _TMP_INFIX = ".tmp-"
