@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                 max_num_batched_tokens=budget,
                 prefill_per_request=None if per_request < 0 else per_request,
                 prefill_floor=floor,
-            ).resolve_model_and_device()
+            )
         )
         runs = [(c, None, args.requests or 2 * c) for c in args.concurrency]
         runs += [(0, rate, args.requests or 128) for rate in args.request_rates]

@@ -34,9 +34,11 @@ class InFlight(NamedTuple):
 
 class Engine:
     def __init__(self, config: EngineConfig, scheduler_cls: type[Scheduler] = Scheduler) -> None:
-        # A preset's name becomes its dummy directory, which holds the
+        # The model as a local directory, whoever built the config: a
+        # preset's name becomes its dummy directory, which holds the
         # tokenizer files the grammar backend reads (from a name alone it
-        # would look the model up on the Hub).
+        # would look the model up on the Hub). A resolved config (a
+        # worker's) stays as it is.
         config = config.resolve_model_and_device()
         model_config = ModelConfig.load(config.model, config.torch_dtype)
         self.model_config = model_config
