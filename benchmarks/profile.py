@@ -78,6 +78,17 @@ CATEGORIES = {
         "gemv_gate_up",
         "gemv_down",
     ),
+    # Before "gemm": FlashInfer's sm_90 prefill kernel names its cutlass types.
+    "attention": (
+        "batchdecode",
+        "batchprefill",
+        "prefillwithkvcache",
+        "attention",
+        "mergestate",
+        "variablelength",
+        "split_attend",
+        "merge",
+    ),
     "gemm": (
         "gemm",
         "gemv",
@@ -90,18 +101,12 @@ CATEGORIES = {
         "fp8_rows",
     ),
     "fp8 quant": ("quantize_rows",),
-    "attention": (
-        "batchdecode",
-        "batchprefill",
-        "attention",
-        "mergestate",
-        "variablelength",
-        "split_attend",
-        "merge",
-    ),
     "norm/rope/act/kv": ("norm", "rope", "rotary", "silu", "act_and_mul", "append", "paged_kv"),
 }
-"""Category -> lower-case fragments of kernel names; anything else is "other"."""
+"""Category -> lower-case fragments of kernel names, tried in this order;
+anything else is "other"."""
+TOP_KERNELS = 25
+"""Kernels by GPU time kept in a record (the categories' detail)."""
 SAMPLING_CASES = {
     "greedy": SamplingParams(temperature=0.0),
     "temperature": SamplingParams(temperature=0.8),
@@ -185,6 +190,7 @@ def profile_eager(runner: ModelRunner, specs: list) -> dict[str, Any]:
             eager()
             torch.cuda.synchronize(runner.device)
     by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
     kernels = 0
     for e in prof.events():
         if e.device_type != CUDA:
@@ -193,8 +199,29 @@ def profile_eager(runner: ModelRunner, specs: list) -> dict[str, Any]:
         if name.startswith(("memcpy", "memset")):
             continue
         kernels += 1
-        by_cat[category(e.name)] += e.device_time_total / 1e3
-    return {"kernels": kernels, "gpu_ms_by_category": dict(by_cat)}
+        ms = e.device_time_total / 1e3
+        cat = category(e.name)
+        by_cat[cat] += ms
+        calls_ms = by_name[short_name(e.name), cat]
+        calls_ms[0] += 1
+        calls_ms[1] += ms
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    return {
+        "kernels": kernels,
+        "gpu_ms_by_category": dict(by_cat),
+        "top_kernels": [
+            {"kernel": k, "category": cat, "calls": n, "ms": ms} for (k, cat), (n, ms) in top
+        ],
+    }
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without its template arguments and parameter list (the
+    kernels of one template add up)."""
+    name = kernel.removeprefix("void ")
+    for sep in ("<", "("):
+        name = name.split(sep, 1)[0]
+    return name[:120]
 
 
 def time_steps(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]:
@@ -540,6 +567,10 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
             f"{r['forward_gpu_ms']:>10.3f} {r['host_enqueue_ms']:>8.3f} {r['step_wall_ms']:>8.3f} "
             f"{r['device_busy']:>5.0%}"
         )
+    for r in rows:
+        print(f"kernels, {r['prompt_len']} tokens: GPU ms, calls, category")
+        for k in r["top_kernels"][:12]:
+            print(f"  {k['ms']:>8.3f} {k['calls']:>5}  {k['category']:<16} {k['kernel']}")
     for r in rows:
         print(f"host, {r['prompt_len']} tokens: ms per forward (own / cumulative), calls")
         for h in r["host_hotspots"]:
