@@ -199,11 +199,13 @@ def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert [plan(b, 8, sms=16).splits for b in (1, 2, 4, 8)] == [4, 2, 1, 1]  # a smaller GPU
     assert (plan(4, 8, block_pages=8).warps, plan(4, 8).warps) == (8, 4)
     # Tiles: 8 pages on 8 warps where the batch fills the GPU; over e4m3
-    # pages V with K, widened by default (WIDEN_V), and 4 warps where it is
-    # read byte-wise; batch-invariant chunks keep 4-page tiles at any batch.
+    # pages V with K, widened by default (WIDEN_V) on 4-page tiles at every
+    # batch, and 8-page tiles on 4 warps where it is read byte-wise;
+    # batch-invariant chunks keep 4-page tiles at any batch.
     assert [plan(b, 8).block_pages for b in (1, 32, 33, 256)] == [4, 4, 8, 8]
     assert plan(256, 8) == DecodePlan(1, 8, 8, 2)
-    assert plan(256, 8, e4m3=True) == DecodePlan(1, 8, 8, 2, early_v=True, widen_v=True)
+    assert plan(256, 8, e4m3=True) == DecodePlan(1, 4, 4, 2, early_v=True, widen_v=True)
+    assert plan(33, 8, e4m3=True) == plan(256, 8, e4m3=True)
     assert plan(256, 8, e4m3=True, widen_v=False) == DecodePlan(1, 8, 4, 2, early_v=True)
     assert plan(1, 8, e4m3=True) == DecodePlan(32, 4, 4, 2, early_v=True, widen_v=True)
     assert plan(256, 8, widen_v=True) == plan(256, 8)  # bf16 pages: nothing to widen

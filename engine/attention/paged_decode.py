@@ -134,20 +134,22 @@ def plan(
     ``MAX_SPLITS``; one where the batch alone fills it.
 
     Tiles (``block_pages`` None), the best of sweeps on an H200 and an H100
-    (Llama-3.1-8B's heads, 1024-token contexts): where the batch alone fills
-    the GPU, 8-page tiles on 8 warps; split, 4-page tiles on 4 warps. Over
-    e4m3 pages V is loaded with K, and widened to fp16 before the tensor
-    cores where ``widen_v`` (None: ``WIDEN_V``); read byte-wise instead,
-    8-page tiles take 4 warps (the registers of the byte-wise layout change).
-    Batch-invariant chunks keep one tile at every batch size (a tile is a
-    step of the sums)."""
+    (Llama-3.1-8B's heads, 1024-token contexts): split, 4-page tiles on 4
+    warps; where the batch alone fills the GPU, 8-page tiles on 8 warps over
+    bf16 pages. Over e4m3 pages V is loaded with K, and widened to fp16
+    before the tensor cores where ``widen_v`` (None: ``WIDEN_V``): then
+    4-page tiles on 4 warps at every batch size (128 registers and 38 KiB
+    of shared memory a program, so four programs share an SM where 8-page
+    tiles fit two); read byte-wise instead, 8-page tiles take 4 warps (the
+    registers of the byte-wise layout change). Batch-invariant chunks keep
+    one tile at every batch size (a tile is a step of the sums)."""
     programs = batch_size * num_kv_heads
     splits = 1
     while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * sms:
         splits *= 2
-    if block_pages is None:
-        block_pages = 8 if splits == 1 and not chunk_pages else 4
     widen_v = e4m3 and (WIDEN_V if widen_v is None else widen_v)
+    if block_pages is None:
+        block_pages = 8 if splits == 1 and not chunk_pages and not widen_v else 4
     warps = 8 if block_pages >= 8 and (widen_v or not e4m3) else 4
     return DecodePlan(
         splits, block_pages, warps, chunk_pages=chunk_pages, early_v=e4m3, widen_v=widen_v
