@@ -118,7 +118,11 @@ def _fused_kernels() -> tuple[Any, Any]:
 
     prologue = pdl.prologue()
 
-    # Both end as quantize_rows_kernel does, on a row held whole.
+    # Both end as quantize_rows_kernel does, on a row held whole: y / s
+    # rounded as an IEEE division (div_rn), in three instructions a value
+    # where div_rn takes a range check and a call: the quotient by the row's
+    # rounded reciprocal, its remainder (exact in an fma), one correction
+    # (Markstein; fp8_skinny's deferred rows do the same).
     @triton.jit
     def norm_quantize_kernel(x, residual, weight, q, scale, K, stride_x, stride_r, stride_q, eps,
                              HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -138,7 +142,9 @@ def _fused_kernels() -> tuple[Any, Any]:
         w = tl.load(weight + k, mask=live, other=0.0).to(tl.float32)
         y = (hf * rstd * w).to(x.dtype.element_ty).to(tl.float32)
         s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), FLOOR)
-        v = tl.clamp(tl.math.div_rn(y, s), -FP8_MAX, FP8_MAX)
+        inv_s = tl.math.div_rn(1.0, s)
+        q0 = y * inv_s
+        v = tl.clamp(tl.fma(tl.fma(-q0, s, y), inv_s, q0), -FP8_MAX, FP8_MAX)
         tl.store(q + row * stride_q + k, v.to(tl.float8e4nv), mask=live)
         tl.store(scale + row, s)
 
@@ -155,7 +161,9 @@ def _fused_kernels() -> tuple[Any, Any]:
         u = tl.load(gate_up + row * stride_g + N + k, mask=live, other=0.0).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g)) * u).to(gate_up.dtype.element_ty).to(tl.float32)
         s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), FLOOR)
-        v = tl.clamp(tl.math.div_rn(y, s), -FP8_MAX, FP8_MAX)
+        inv_s = tl.math.div_rn(1.0, s)
+        q0 = y * inv_s
+        v = tl.clamp(tl.fma(tl.fma(-q0, s, y), inv_s, q0), -FP8_MAX, FP8_MAX)
         tl.store(q + row * stride_q + k, v.to(tl.float8e4nv), mask=live)
         tl.store(scale + row, s)
 
