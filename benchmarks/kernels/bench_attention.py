@@ -78,6 +78,9 @@ TRITON_TILES = {
     "triton-wv-b16": dict(block_pages=16, warps=8, stages=2, early_v=True, widen_v=True),
     "triton-wv-b16-w16": dict(block_pages=16, warps=16, stages=2, early_v=True, widen_v=True),
     "triton-wv-b4-w8": dict(block_pages=4, warps=8, stages=2, early_v=True, widen_v=True),
+    "triton-wv-r96": dict(
+        block_pages=4, warps=4, stages=2, early_v=True, widen_v=True, registers=96
+    ),
 }
 """Triton variant -> its ``paged_decode.DecodePlan`` fields at the batch's
 split: pages per K/V tile, warps, stages, batch-invariant chunks of N pages
