@@ -79,6 +79,9 @@ TRITON_TILES = {
     "triton-wv-b16-w16": dict(block_pages=16, warps=16, stages=2, early_v=True, widen_v=True),
     "triton-wv-b4-w8": dict(block_pages=4, warps=8, stages=2, early_v=True, widen_v=True),
     "triton-wv-s3": dict(block_pages=4, warps=4, stages=3, early_v=True, widen_v=True),
+    "triton-wv-r128": dict(
+        block_pages=4, warps=4, stages=2, early_v=True, widen_v=True, registers=128
+    ),
     "triton-wv-r96": dict(
         block_pages=4, warps=4, stages=2, early_v=True, widen_v=True, registers=96
     ),
