@@ -108,6 +108,10 @@ class KVPool:
             (config.num_pages, *config.page_shape), dtype=config.dtype, device=config.device
         )
         self.allocator = PageAllocator(config.num_pages)
+        # Each layer's views made once: an eager forward asks for them every
+        # layer, and indexing the tensor costs microseconds of host time a call.
+        self._k = [self.kv[:, layer, 0] for layer in range(self.kv.shape[1])]
+        self._v = [self.kv[:, layer, 1] for layer in range(self.kv.shape[1])]
 
     @property
     def page_size(self) -> int:
@@ -115,10 +119,10 @@ class KVPool:
 
     def k_layer(self, layer: int) -> torch.Tensor:
         """Strided view ``[num_pages, page_size, kv_heads, head_dim]`` of layer's keys."""
-        return self.kv[:, layer, 0]
+        return self._k[layer]
 
     def v_layer(self, layer: int) -> torch.Tensor:
-        return self.kv[:, layer, 1]
+        return self._v[layer]
 
     def write(
         self,
