@@ -32,8 +32,10 @@ greedy requests of ``--context-len``-token prompts, once they all decode:
 its kernels and their GPU time by category (as ``step``), the device's
 elapsed time over the forward and the share of it spent in kernels (below
 100%: the device waited for the host), timed as ``step`` times a step (the
-last token sampled) the host's time to queue it and the wall time, and the
-host's hotspots (cProfile: the functions with the most time of their own)::
+last token sampled) the host's time to queue it and the wall time, one such
+step traced (the device's idle gaps and the kernels on either side, as
+``loop``), and the host's hotspots (cProfile: the functions with the most
+time of their own)::
 
     python -m benchmarks.profile prefill --model llama-3.1-8b --prompt-lens 1024 8192 \\
         [--quantization fp8]
@@ -222,6 +224,29 @@ def short_name(kernel: str) -> str:
     for sep in ("<", "("):
         name = name.split(sep, 1)[0]
     return name[:120]
+
+
+def traced_step_gaps(runner: ModelRunner, specs: list) -> dict[str, Any]:
+    """One step as ``time_steps`` runs it (piecewise graphs where captured),
+    traced: where the GPU waits between the first kernel and the last, and
+    on which neighbouring kernels (the tracer adds host time of its own, so
+    gaps the host causes read somewhat longer than untraced)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = runner.model_config.vocab_size
+    params = [
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(len(specs))
+    ]
+    dev = runner.device
+    with torch.inference_mode():
+        torch.cuda.synchronize(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            batch = build_forward_batch(specs, runner.pool.page_size, dev)
+            sampling = SamplingBatch.build(
+                params, list(range(len(specs))), [0] * len(specs), vocab, dev
+            )
+            sample(runner.forward_logits(batch), sampling).token_ids.tolist()
+    return {f"traced_step_{k}": v for k, v in gaps_of(prof, 1).items()}
 
 
 def time_steps(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]:
@@ -514,6 +539,7 @@ def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -
     # As a step runs it, the last token sampled; the forward's events take in
     # the device's idle time waiting for the host.
     row.update(time_steps(runner, specs, args.steps))
+    row.update(traced_step_gaps(runner, specs))
     busy = sum(row["gpu_ms_by_category"].values())
     row["kernel_ms"] = busy
     row["device_busy"] = busy / row["forward_gpu_ms"]
@@ -571,6 +597,15 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
         print(f"kernels, {r['prompt_len']} tokens: GPU ms, calls, category")
         for k in r["top_kernels"][:12]:
             print(f"  {k['ms']:>8.3f} {k['calls']:>5}  {k['category']:<16} {k['kernel']}")
+    for r in rows:
+        print(
+            f"traced step, {r['prompt_len']} tokens: window "
+            f"{r['traced_step_trace_window_ms_per_step']:.3f} ms, idle "
+            f"{r['traced_step_gap_sum_ms_per_step']:.3f} ms, "
+            f"{r['traced_step_num_gaps_gt10us']} gaps over 10 us; the longest (us, after, before):"
+        )
+        for gap, after, before in r["traced_step_top_gaps"][:8]:
+            print(f"  {gap:>8.1f}  {after}  ->  {before}")
     for r in rows:
         print(f"host, {r['prompt_len']} tokens: ms per forward (own / cumulative), calls")
         for h in r["host_hotspots"]:
