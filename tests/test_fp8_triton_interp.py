@@ -170,10 +170,16 @@ def test_no_program_sums_a_long_k_in_the_tensor_cores_alone() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize(("rows", "k", "block_k"), [(3, 256, 64), (2, 200, 64), (1, 96, 1024)])
-def test_the_quantization_kernel_gives_torchs_numbers(rows: int, k: int, block_k: int) -> None:
-    """Scales and e4m3 values equal ``fp8.quantize_rows``'s; K not a multiple
-    of the tile (200) masks the last one; an all-zero row gets zeros."""
+@pytest.mark.parametrize(
+    ("rows", "k", "block_k"),
+    [(3, 256, 64), (2, 200, 64), (1, 96, 1024), (3, 256, None), (2, 200, None)],
+)
+def test_the_quantization_kernel_gives_torchs_numbers(
+    rows: int, k: int, block_k: int | None
+) -> None:
+    """Scales and e4m3 values equal ``fp8.quantize_rows``'s, from rows read in
+    tiles (``block_k``) or held whole (None); K not a multiple of the tile
+    (200) masks the last one; an all-zero row gets zeros."""
     from engine.layers import fp8_quant
 
     x = _exact_rows(rows, k, torch.Generator().manual_seed(k))

@@ -101,10 +101,12 @@ def _kernel() -> Any:
             v = tl.load(x + row * stride_x + k0 + kk, mask=k0 + kk < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         s = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), FLOOR)
+        inv_s = tl.math.div_rn(1.0, s)
         for k0 in range(0, K, BLOCK_K):
             live = k0 + kk < K
             v = tl.load(x + row * stride_x + k0 + kk, mask=live, other=0.0).to(tl.float32)
-            v = tl.clamp(tl.math.div_rn(v, s), -FP8_MAX, FP8_MAX)
+            q0 = v * inv_s  # v / s as an IEEE division, as _fused_kernels' do
+            v = tl.clamp(tl.fma(tl.fma(-q0, s, v), inv_s, q0), -FP8_MAX, FP8_MAX)
             tl.store(q + row * stride_q + k0 + kk, v.to(tl.float8e4nv), mask=live)
         tl.store(scale + row, s)
 
@@ -112,7 +114,7 @@ def _kernel() -> Any:
 
 
 @cache
-def _fused_kernels() -> tuple[Any, Any]:
+def _fused_kernels() -> tuple[Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -167,7 +169,25 @@ def _fused_kernels() -> tuple[Any, Any]:
         tl.store(q + row * stride_q + k, v.to(tl.float8e4nv), mask=live)
         tl.store(scale + row, s)
 
-    return norm_quantize_kernel, silu_mul_quantize_kernel
+    @triton.jit
+    def quantize_rows_held_kernel(x, q, scale, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
+                                  FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+                                  PDL: tl.constexpr = False):  # fmt: skip
+        # quantize_rows_kernel's numbers, the row read once and all at once.
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
+        row = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK)
+        live = k < K
+        y = tl.load(x + row * stride_x + k, mask=live, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), FLOOR)
+        inv_s = tl.math.div_rn(1.0, s)
+        q0 = y * inv_s
+        v = tl.clamp(tl.fma(tl.fma(-q0, s, y), inv_s, q0), -FP8_MAX, FP8_MAX)
+        tl.store(q + row * stride_q + k, v.to(tl.float8e4nv), mask=live)
+        tl.store(scale + row, s)
+
+    return norm_quantize_kernel, silu_mul_quantize_kernel, quantize_rows_held_kernel
 
 
 def _row_launch(k: int) -> dict[str, int]:
@@ -211,16 +231,27 @@ def silu_mul_quantize(gate_up: torch.Tensor) -> Quantized:
     return Quantized(q, scale, gate_up.dtype)
 
 
-def quantize_rows(x: torch.Tensor, block_k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q e4m3 [M, K], scale float32 [M])`` of ``x`` ``[M, K]`` (rows with
-    unit stride), one kernel (any device Triton runs on)."""
+    unit stride), one kernel (any device Triton runs on). Rows of up to
+    ``FUSED_MAX_K`` (and ``block_k`` None) are held whole by a program, read once
+    and all at once, as the fused kernels hold theirs; longer ones (or a
+    ``block_k`` given) are read twice in tiles of ``block_k`` (None: 1024),
+    for their largest magnitude, then to quantize."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=E4M3, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    if m:
+    if not m:
+        return q, scale
+    launch = pdl.launch_options(x.device)
+    if block_k is None and k <= FUSED_MAX_K:
+        _fused_kernels()[2][(m,)](
+            x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR,
+            **_row_launch(k), **launch,
+        )  # fmt: skip
+    else:
         _kernel()[(m,)](
-            x, q, scale, k, x.stride(0), q.stride(0),
-            FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR, BLOCK_K=min(block_k, 1 << (k - 1).bit_length()),
-            num_warps=4, **pdl.launch_options(x.device),
+            x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=E4M3_MAX, FLOOR=SCALE_FLOOR,
+            BLOCK_K=min(block_k or 1024, 1 << (k - 1).bit_length()), num_warps=4, **launch,
         )  # fmt: skip
     return q, scale
