@@ -233,28 +233,33 @@ def traced_step_gaps(runner: ModelRunner, specs: list) -> dict[str, Any]:
     gaps the host causes read somewhat longer than untraced)."""
     from torch.profiler import ProfilerActivity, profile
 
-    vocab = runner.model_config.vocab_size
-    params = [
-        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(len(specs))
-    ]
-    dev = runner.device
     with torch.inference_mode():
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(runner.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            batch = build_forward_batch(specs, runner.pool.page_size, dev)
-            sampling = SamplingBatch.build(
-                params, list(range(len(specs))), [0] * len(specs), vocab, dev
-            )
+            batch, sampling = step_inputs(runner, specs, step_params(len(specs)), 0)
             sample(runner.forward_logits(batch), sampling).token_ids.tolist()
     return {f"traced_step_{k}": v for k, v in gaps_of(prof, 1).items()}
 
 
+def step_params(n: int) -> list[SamplingParams]:
+    """The sampling of a profiled step's ``n`` rows: temperature, top-k and
+    top-p, a seed a row."""
+    return [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(n)]
+
+
+def step_inputs(
+    runner: ModelRunner, specs: list, params: list[SamplingParams], step: int
+) -> tuple[Any, SamplingBatch]:
+    """A step's forward batch and its sampling, built as the engine builds
+    them on the host."""
+    vocab, dev, n = runner.model_config.vocab_size, runner.device, len(specs)
+    batch = build_forward_batch(specs, runner.pool.page_size, dev)
+    return batch, SamplingBatch.build(params, list(range(n)), [step] * n, vocab, dev)
+
+
 def time_steps(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]:
     """The step as the engine runs it: forward (graph if captured) then sampling."""
-    vocab = runner.model_config.vocab_size
-    params = [
-        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(len(specs))
-    ]
+    params = step_params(len(specs))
     fwd_ms, sample_ms, host_ms, wall_ms = [], [], [], []
     dev = runner.device
     with torch.inference_mode():
@@ -262,10 +267,7 @@ def time_steps(runner: ModelRunner, specs: list, steps: int) -> dict[str, float]
             torch.cuda.synchronize(dev)
             e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             t0 = time.perf_counter()
-            batch = build_forward_batch(specs, runner.pool.page_size, dev)
-            sampling = SamplingBatch.build(
-                params, list(range(len(specs))), [step] * len(specs), vocab, dev
-            )
+            batch, sampling = step_inputs(runner, specs, params, step)
             e0.record()
             logits = runner.forward_logits(batch)
             e1.record()
