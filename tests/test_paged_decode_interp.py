@@ -19,7 +19,7 @@ import pytest
 import torch
 from triton_interp import interpreted, parent_only, run_interpreted
 
-from engine.attention.paged_decode import DecodePlan, group_rows, plan
+from engine.attention.paged_decode import WIDE_GROUP_REGISTERS, DecodePlan, group_rows, plan
 from engine.kvcache.pool import KV_FP8, KVPool, KVPoolConfig
 
 PAGE_SIZE, LAYERS, LAYER = 4, 3, 1
@@ -209,6 +209,16 @@ def test_plans_fill_the_gpu_and_groups_pad_to_the_matrix_units() -> None:
     assert plan(256, 8, e4m3=True, widen_v=False) == DecodePlan(1, 8, 4, 2, early_v=True)
     assert plan(1, 8, e4m3=True) == DecodePlan(32, 4, 4, 2, early_v=True, widen_v=True)
     assert plan(256, 8, widen_v=True) == plan(256, 8)  # bf16 pages: nothing to widen
+    # Groups of more than 4 on the widened tiles are capped at 128 registers
+    # a thread (four programs an SM); groups of 4, bf16 pages, byte-wise V
+    # and 8-page tiles are not.
+    wide = WIDE_GROUP_REGISTERS
+    assert [plan(b, 4, e4m3=True, group=8).registers for b in (1, 64, 256)] == [wide] * 3
+    assert plan(64, 4, e4m3=True, group=8)._replace(registers=0) == plan(64, 4, e4m3=True)
+    assert plan(64, 8, e4m3=True, group=4).registers == 0
+    assert plan(64, 4, group=8).registers == 0
+    assert plan(64, 4, e4m3=True, widen_v=False, group=8).registers == 0
+    assert plan(64, 4, e4m3=True, block_pages=8, group=8).registers == 0
     assert [group_rows(h, 8) for h in (8, 32, 64, 256)] == [16, 16, 16, 32]
     assert group_rows(48, 8) == 16  # a group of 6
     # Scratch rows per request and head: none for one split (batch-invariant

@@ -511,36 +511,46 @@ def test_decode_attention_register_cap(launches: list[Launch], tmp_path: Path) -
                         _empty(256, c.num_heads, d), d**-0.5, pd.DecodePlan(1, registers=8))  # fmt: skip
 
 
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
 def test_e4m3_decode_tiles_fit_four_programs_an_sm(
-    monkeypatch: pytest.MonkeyPatch, launches: list[Launch], tmp_path: Path
+    preset: str, monkeypatch: pytest.MonkeyPatch, launches: list[Launch], tmp_path: Path
 ) -> None:
     """What the e4m3 plan's 4-page tiles on 4 warps are for (``paged_decode.plan``):
     where the batch alone fills the GPU, four programs share an SM, by
-    registers and by shared memory, where the 8-page tiles on 8 warps before
-    them fit two. Llama-3.1-8B's heads, where it was measured (Qwen3-MoE's
-    groups of 8 take 137 registers from Triton 3.6, three programs an SM)."""
+    registers and by shared memory, with nothing spilled. Llama-3.1-8B's
+    groups of 4 fit uncapped, where the 8-page tiles on 8 warps before them
+    fit two; Qwen3-MoE's groups of 8 fit under the plan's register cap, and
+    three programs an SM without it."""
     from engine.attention import paged_decode as pd
     from engine.kvcache.pool import KVPool, KVPoolConfig
 
     monkeypatch.setattr(pd, "widens", lambda device: True)  # as on an H200
-    c = ModelConfig.from_dict(PRESETS["llama-3.1-8b"], dtype=torch.bfloat16)
-    d = c.head_dim
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    d, group = c.head_dim, c.num_heads // c.num_kv_heads
     pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=fp8.E4M3))
     q = _empty(256, c.num_heads + 2 * c.num_kv_heads, d)[:, : c.num_heads]
     ints = torch.zeros(257, dtype=torch.int32)
-    plan = pd.plan(256, c.num_kv_heads, e4m3=True)
-    before = plan._replace(block_pages=8, warps=8)
+    plan = pd.plan(256, c.num_kv_heads, e4m3=True, group=group)
     assert (plan.splits, plan.block_pages, plan.warps, plan.widen_v) == (1, 4, 4, True)
-    for p in (plan, before):
+    if group > 4:
+        assert plan.registers == pd.WIDE_GROUP_REGISTERS
+        other, expected = plan._replace(registers=0), [4, 3]
+    else:
+        assert plan.registers == 0
+        other, expected = plan._replace(block_pages=8, warps=8), [4, 2]
+    for p in (plan, other):
         pd.paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:256],
                         _empty(256, c.num_heads, d), d**-0.5, p)  # fmt: skip
-    held = []
-    for p, launch in zip((plan, before), launches, strict=True):
-        out = sm90.compile_launch(launch)
-        held.append(
-            sm90.sass(out.asm["cubin"], tmp_path).blocks_per_sm(p.warps, out.metadata.shared)
-        )
-    assert held == [4, 2], held
+    held, stacks = [], []
+    for p, (kernel, args, kwargs) in zip((plan, other), launches, strict=True):
+        if p.registers:  # the launch passes the cap on CUDA tensors only
+            kwargs = {**kwargs, "maxnreg": p.registers}
+        out = sm90.compile_launch((kernel, args, kwargs))
+        used = sm90.sass(out.asm["cubin"], tmp_path)
+        held.append(used.blocks_per_sm(p.warps, out.metadata.shared))
+        stacks.append(used.stack)
+    assert held == expected, held
+    assert stacks[0] == 0, stacks
 
 
 def test_kernel_sass_reads_the_decode_kernels_loop(tmp_path: Path) -> None:

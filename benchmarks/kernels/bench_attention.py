@@ -246,7 +246,8 @@ def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -
     batch_size, device = q.shape[0], q.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     e4m3 = KV_DTYPES[args.kv_dtype] == pd.E4M3
-    decode_plan = triton_plan(variant, batch_size, args.num_kv_heads, sms, e4m3)
+    group = args.num_heads // args.num_kv_heads
+    decode_plan = triton_plan(variant, batch_size, args.num_kv_heads, sms, e4m3, group)
     scratch = pd.scratch_for(
         batch_size, args.num_heads, args.head_dim, decode_plan.partials, device
     )
@@ -259,13 +260,18 @@ def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -
     return run
 
 
-def triton_plan(variant: Variant, batch_size: int, num_kv_heads: int, sms: int, e4m3: bool) -> Any:
-    """The Triton kernel's ``DecodePlan`` of a variant at a batch size."""
+def triton_plan(
+    variant: Variant, batch_size: int, num_kv_heads: int, sms: int, e4m3: bool, group: int
+) -> Any:
+    """The Triton kernel's ``DecodePlan`` of a variant at a batch size
+    (``group``: query heads per KV head)."""
     from engine.attention import paged_decode as pd
 
     if variant.kernel in PLANNED:
         widen = PLANNED[variant.kernel]
-        decode_plan = pd.plan(batch_size, num_kv_heads, sms=sms, e4m3=e4m3, widen_v=widen)
+        decode_plan = pd.plan(
+            batch_size, num_kv_heads, sms=sms, e4m3=e4m3, widen_v=widen, group=group
+        )
     else:
         splits = pd.plan(batch_size, num_kv_heads, sms=sms).splits
         decode_plan = pd.DecodePlan(splits, **TRITON_TILES[variant.kernel])

@@ -47,7 +47,9 @@ def measure(preset: str, kv_dtype: str, batch: int, variant: Variant, workdir: P
     c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
     d, dtype = c.head_dim, KV_DTYPES[kv_dtype]
     e4m3 = dtype == pd.E4M3
-    plan = triton_plan(variant, batch, c.num_kv_heads, H200_SMS, e4m3)
+    plan = triton_plan(
+        variant, batch, c.num_kv_heads, H200_SMS, e4m3, c.num_heads // c.num_kv_heads
+    )
     pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=dtype))
     q = torch.empty(batch, c.num_heads + 2 * c.num_kv_heads, d, dtype=torch.bfloat16)
     out = torch.empty(batch, c.num_heads, d, dtype=torch.bfloat16)

@@ -279,7 +279,11 @@ class FlashInferAttention(AttentionBackend):
         args, kwargs = self._plan_args(
             [x - split for x in indptr[d:]], dev[0][split:], last_len[d:]
         )
-        slot.prefill.plan(_host(qo_indptr), *args, causal=True, **kwargs)
+        # The KV lengths go in pinned too: plan() copies them to the device, and
+        # from the pageable tensor it would make of them, the copy waits for
+        # the stream (the forward's first piece runs while this plans).
+        seq_lens = _host(batch.seq_lens[d:])
+        slot.prefill.plan(_host(qo_indptr), *args, causal=True, seq_lens=seq_lens, **kwargs)
         self._wrapper = slot.prefill
 
     # -- CUDA graphs (decode only)
@@ -330,6 +334,7 @@ class FlashInferAttention(AttentionBackend):
             sms=self._sms,
             chunk_pages=DECODE_CHUNK_PAGES,
             e4m3=self.pool.kv.dtype == paged_decode.E4M3,
+            group=self.num_heads // self.num_kv_heads,
         )
         if graph:
             scratch = self._graph_scratch.take(rows, self.num_heads, plan)

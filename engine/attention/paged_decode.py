@@ -84,6 +84,8 @@ WIDEN_V = True
 than the byte-wise reads of V at every measured batch size
 (docs/benchmarks.md, Decode attention). Where the instruction is missing the
 launch reads bytes whatever the plan (``widens``)."""
+WIDE_GROUP_REGISTERS = 128
+"""``plan``'s register cap for groups of more than 4 on widened 4-page tiles."""
 
 
 class DecodePlan(NamedTuple):
@@ -128,6 +130,7 @@ def plan(
     chunk_pages: int = 0,
     e4m3: bool = False,
     widen_v: bool | None = None,
+    group: int = 1,
 ) -> DecodePlan:
     """Splits for ``batch_size`` requests: a power of two giving enough
     programs to fill a GPU of ``sms`` SMs (``PROGRAMS_PER_SM`` each), at most
@@ -142,7 +145,13 @@ def plan(
     of shared memory a program, so four programs share an SM where 8-page
     tiles fit two); read byte-wise instead, 8-page tiles take 4 warps (the
     registers of the byte-wise layout change). Batch-invariant chunks keep
-    one tile at every batch size (a tile is a step of the sums)."""
+    one tile at every batch size (a tile is a step of the sums).
+
+    ``group``: query heads per KV head. Groups of more than 4 on the widened
+    4-page tiles take 137 to 140 registers from Triton 3.6 (Qwen3-MoE's
+    8), three programs an SM; capped at ``WIDE_GROUP_REGISTERS`` they keep
+    four with nothing spilled. Llama's groups of 4 fit 128 uncapped (a cap
+    there spills)."""
     programs = batch_size * num_kv_heads
     splits = 1
     while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * sms:
@@ -151,8 +160,15 @@ def plan(
     if block_pages is None:
         block_pages = 8 if splits == 1 and not chunk_pages and not widen_v else 4
     warps = 8 if block_pages >= 8 and (widen_v or not e4m3) else 4
+    wide = widen_v and block_pages == 4 and warps == 4 and group > 4
     return DecodePlan(
-        splits, block_pages, warps, chunk_pages=chunk_pages, early_v=e4m3, widen_v=widen_v
+        splits,
+        block_pages,
+        warps,
+        chunk_pages=chunk_pages,
+        early_v=e4m3,
+        widen_v=widen_v,
+        registers=WIDE_GROUP_REGISTERS if wide else 0,
     )
 
 
