@@ -148,28 +148,34 @@ class PieceGraphs:
 
     def run(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` after the final norm of ``batch``'s
-        ``n`` tokens (``can_run``; ``attn.begin_forward(batch)`` done). Only
-        valid until the next forward on these graphs."""
+        ``n`` tokens (``can_run``). Only valid until the next forward on these
+        graphs.
+
+        Attention is planned here (``attn.begin_forward``), after the first
+        piece is queued: that piece reads only the token ids, so the device
+        runs it while the host plans (a plan is the longest host work
+        before the first attention call)."""
         n = batch.input_ids.numel()
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        rope = self.model.rotary.prepare(batch.positions, self.dtype)
         heads = self._attn_heads[:n]
+        bucket = self._buckets.get(size)
+        pieces = self._pieces(size) if bucket is None else bucket.graphs
+        first = pieces[0](None) if bucket is None else pieces[0].replay()
+        attn.begin_forward(batch)
+        rope = self.model.rotary.prepare(batch.positions, self.dtype)
 
         def attention(i: int, qkv: torch.Tensor) -> None:
             self.layers[i].self_attn.core(qkv[:n], rope, attn, heads)
 
-        bucket = self._buckets.get(size)
         if bucket is None:  # not captured: the pieces eagerly
-            out: Any = None
-            for i, piece in enumerate(self._pieces(size)):
+            out: Any = first
+            for i, piece in enumerate(pieces[1:]):
+                attention(i, out[0])
                 out = piece(out)
-                if i < len(self.layers):
-                    attention(i, out[0])
             return out[:n]
-        for i, (graph, qkv) in enumerate(zip(bucket.graphs, bucket.qkv)):
-            graph.replay()
+        for i, (graph, qkv) in enumerate(zip(bucket.graphs[1:], bucket.qkv)):
             attention(i, qkv)
-        bucket.graphs[-1].replay()
+            graph.replay()
         assert bucket.hidden is not None
         return bucket.hidden[:n]

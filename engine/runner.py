@@ -371,10 +371,10 @@ class ModelRunner:
             rows = self.graphs.as_decode_rows(batch)
             if rows is not None:
                 return self.graphs.run(rows)
-        self.attn.begin_forward(batch)
         if self.pieces is not None and self.pieces.can_run(batch):
-            hidden = self.pieces.run(batch, self.attn)
+            hidden = self.pieces.run(batch, self.attn)  # plans attention itself
         else:
+            self.attn.begin_forward(batch)
             hidden = self.model(batch.input_ids, batch.positions, self.attn)
         return self.model.compute_logits(hidden[batch.logits_indices])
 

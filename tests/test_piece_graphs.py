@@ -60,8 +60,7 @@ def test_pieces_equal_the_forward(model_dir: str, lens: list[tuple[int, int]]) -
     pieces.attn_out.fill_(float("nan"))
     runner.attn.begin_forward(batch)
     want = runner.model(batch.input_ids, batch.positions, runner.attn)
-    runner.attn.begin_forward(batch)
-    got = pieces.run(batch, runner.attn)
+    got = pieces.run(batch, runner.attn)  # plans attention itself
     assert got.shape == want.shape == (n, runner.model_config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert n == 96 or pieces.attn_out[n:].isnan().all()  # the padding was never attended

@@ -50,7 +50,6 @@ def test_piece_graphs_equal_eager(case: str) -> None:
         batch = build_forward_batch(specs, PAGE_SIZE, "cuda:0")
         with torch.inference_mode():
             ref, got = (r.forward_logits(batch).float() for r in runners)
-            runner.attn.begin_forward(batch)
             hidden = eager_pieces.run(batch, runner.attn)
             same = runner.model.compute_logits(hidden[batch.logits_indices]).float()
         assert _rel(got, same) < 1e-3, f"step {i}: replay against the eager pieces"
