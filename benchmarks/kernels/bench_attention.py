@@ -85,6 +85,7 @@ TRITON_TILES = {
     "triton-wv-r96": dict(
         block_pages=4, warps=4, stages=2, early_v=True, widen_v=True, registers=96
     ),
+    "triton-r128": dict(block_pages=4, warps=4, stages=2, registers=128),
 }
 """Triton variant -> its ``paged_decode.DecodePlan`` fields at the batch's
 split: pages per K/V tile, warps, stages, batch-invariant chunks of N pages
