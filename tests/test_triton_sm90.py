@@ -519,8 +519,9 @@ def test_e4m3_decode_tiles_fit_four_programs_an_sm(
     where the batch alone fills the GPU, four programs share an SM, by
     registers and by shared memory, with nothing spilled. Llama-3.1-8B's
     groups of 4 fit uncapped, where the 8-page tiles on 8 warps before them
-    fit two; Qwen3-MoE's groups of 8 fit under the plan's register cap, and
-    three programs an SM without it."""
+    fit two; Qwen3-MoE's groups of 8 fit under the plan's register cap
+    (uncapped, three from Triton 3.6, four from 3.9: the cap costs no
+    program an SM on either)."""
     from engine.attention import paged_decode as pd
     from engine.kvcache.pool import KVPool, KVPoolConfig
 
@@ -534,10 +535,10 @@ def test_e4m3_decode_tiles_fit_four_programs_an_sm(
     assert (plan.splits, plan.block_pages, plan.warps, plan.widen_v) == (1, 4, 4, True)
     if group > 4:
         assert plan.registers == pd.WIDE_GROUP_REGISTERS
-        other, expected = plan._replace(registers=0), [4, 3]
+        other, others = plan._replace(registers=0), (3, 4)
     else:
         assert plan.registers == 0
-        other, expected = plan._replace(block_pages=8, warps=8), [4, 2]
+        other, others = plan._replace(block_pages=8, warps=8), (2,)
     for p in (plan, other):
         pd.paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:256],
                         _empty(256, c.num_heads, d), d**-0.5, p)  # fmt: skip
@@ -549,7 +550,7 @@ def test_e4m3_decode_tiles_fit_four_programs_an_sm(
         used = sm90.sass(out.asm["cubin"], tmp_path)
         held.append(used.blocks_per_sm(p.warps, out.metadata.shared))
         stacks.append(used.stack)
-    assert held == expected, held
+    assert held[0] == 4 and held[1] in others, held
     assert stacks[0] == 0, stacks
 
 

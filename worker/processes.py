@@ -6,20 +6,48 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000
+"""``free_port`` picks from here up to the ephemeral range."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
+    """A TCP port nothing listens on right now, below the system's ephemeral
+    range where it can tell. A port from that range (what binding port 0
+    gives) may be handed to any outgoing connection, a health poll's for
+    one, before the server it was picked for binds it; below it, only a
+    server binding that very port can take it."""
+    low = _ephemeral_low()
+    if low is not None and low > LOWEST_PORT + 1000:
+        for _ in range(100):
+            port = random.randrange(LOWEST_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the ephemeral range (Linux), None where unknown."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def wait_http_ok(
