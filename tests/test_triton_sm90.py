@@ -624,3 +624,28 @@ def test_kernel_sass_reads_what_the_fp8_activation_kernels_issue(tmp_path: Path)
     for kernel in widths:
         counts = {r["instructions"] for r in rows if r["kernel"] == kernel}
         assert len(counts) == 1 and counts.pop() > 100
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "llama-3.2-1b", "qwen3-30b-a3b"])
+def test_fresh_prefill_compiles_to_tensor_cores(
+    preset: str, launches: list[Launch], tmp_path: Path
+) -> None:
+    """The plan-free causal prefill (``engine.attention.fresh_prefill``) at each
+    preset's heads (head_dim 128 and 64), bf16 q, k and v as views into the
+    QKV output, 1024 rows: it fits the SM's shared memory, spills nothing and
+    runs its products on the tensor cores in its key loop."""
+    from engine.attention import fresh_prefill as fp
+
+    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+    n, h, kv, d = 1024, c.num_heads, c.num_kv_heads, c.head_dim
+    qkv = _empty(n, h + 2 * kv, d)
+    q, k, v = qkv[:, :h], qkv[:, h : h + kv], qkv[:, h + kv :]
+    positions = torch.zeros(n, dtype=torch.int64)
+    fp.fresh_prefill(q, k, v, positions, _empty(n, h, d), d**-0.5)
+    (launch,) = launches
+    out = sm90.compile_launch(launch)
+    used = sm90.sass(out.asm["cubin"], tmp_path)
+    assert out.metadata.shared <= SM90_SHARED_BYTES, out.metadata.shared
+    assert used.stack == 0, used
+    tensor_ops = sum(c for op, c in used.loop.items() if op.startswith(("HGMMA", "HMMA")))
+    assert tensor_ops > 0, used.loop
