@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "fuse_rope_kv_write": cfg.fuse_rope_kv_write,
         "decode_kernel": cfg.decode_kernel,
+        "fresh_prefill_graphs": cfg.fresh_prefill_graphs,
         "results": rows,
         "hf_transformers": hf_row,
     }

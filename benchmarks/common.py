@@ -67,6 +67,7 @@ KERNEL_SETTINGS = (
     "fuse_rope_kv_write",
     "decode_kernel",
     "cuda_graph_max_tokens",
+    "fresh_prefill_graphs",
 )
 """Engine settings that choose kernels: flags of the engine tools, copied
 into their configs and records."""

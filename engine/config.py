@@ -115,6 +115,15 @@ class EngineConfig:
     """auto: past about 2048 tokens the GPU's work outlasts the host's launches
     even eagerly, and every bucket costs a capture at start-up
     (``engine.piece_graphs``)."""
+    fresh_prefill_graphs: bool | None = setting(
+        None,
+        help="with flashinfer attention and piecewise graphs: forwards of prompts "
+        "without a cached prefix run as one CUDA graph per token count, attention "
+        "included, on a Triton kernel that needs no plan from the host; KV pages of "
+        "the model's dtype only (default: auto, off: not yet measured against the "
+        "piecewise graphs)",
+        group=MODEL_GROUP,
+    )
     fuse_rope_kv_write: bool | None = setting(
         None,
         help="with flashinfer attention, one Triton kernel per layer for the q/k norms, "
@@ -361,6 +370,12 @@ class EngineConfig:
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
         budget = self.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET)
         graph_tokens = min(graph_tokens, budget)  # no forward is larger
+        fresh = bool(self.fresh_prefill_graphs)
+        if fresh and (not graph_tokens or self.kv_cache_dtype == "fp8_e4m3"):
+            raise ValueError(
+                "fresh_prefill_graphs needs piecewise CUDA graphs (flashinfer attention, "
+                "cuda_graph_max_tokens > 0) and KV pages of the model's dtype"
+            )
         if self.fuse_rope_kv_write and backend != "flashinfer":
             raise ValueError("fuse_rope_kv_write needs attention_backend 'flashinfer'")
         e4m3_pages = self.kv_cache_dtype == "fp8_e4m3"
@@ -403,6 +418,7 @@ class EngineConfig:
             attention_backend=backend,
             decode_kernel=decode_kernel,
             fuse_rope_kv_write=fuse,
+            fresh_prefill_graphs=fresh,
             cuda_graph_max_bs=graph_bs,
             cuda_graph_max_tokens=graph_tokens,
             max_num_batched_tokens=budget,

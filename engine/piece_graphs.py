@@ -19,6 +19,14 @@ the smallest bucket ``>= n``, its rows past ``n`` padding that attention never
 sees (rows are independent everywhere else). Attention runs on the first ``n``
 rows of the QKV output and writes into a static buffer the next piece reads.
 
+Fresh prompts (``fresh``: every request from position 0, no cached prefix, as
+a lone new prompt is) need no cut: ``AttentionBackend.forward_fresh`` attends
+a forward's own K/V without a plan, so the whole forward, attention
+included, is one graph per bucket, and the host's work for it is a few
+copies into its inputs. Its padding rows form one more prompt of their own
+(positions 0, 1, ...), which no real row attends, and write their K/V into
+the scratch page 0.
+
 Memory: the pieces of every bucket share one pool, captured in the order they
 replay. A piece's outputs are released once the next piece is captured, so
 later captures reuse their blocks; the eager attention reads a piece's QKV
@@ -33,7 +41,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, FreshIndex
 from engine.forward_batch import ForwardBatch
 
 SMALLEST = 64
@@ -69,15 +77,25 @@ class _Bucket:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.qkv: list[torch.Tensor] = []
         self.hidden: torch.Tensor | None = None
+        self.fresh: torch.cuda.CUDAGraph | None = None
+        """The whole forward of fresh prompts (with ``PieceGraphs``' ``fresh``)."""
+        self.fresh_hidden: torch.Tensor | None = None
 
 
 class PieceGraphs:
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, max_tokens: int, capture: bool = True
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        max_tokens: int,
+        capture: bool = True,
+        fresh: AttentionBackend | None = None,
     ) -> None:
         """``model``: a decoder of ``engine.models.llama`` with at least one
         layer. ``capture`` False: the same pieces, buffers and padding run
-        eagerly on any device (no graphs), as a reference for the replays."""
+        eagerly on any device (no graphs), as a reference for the replays.
+        ``fresh``: the backend whose ``forward_fresh`` the whole-forward graphs
+        of fresh prompts take (it must ``supports_fresh``); None: none."""
         self.model = model
         self.layers = list(model.model.layers)
         assert self.layers, "piecewise graphs need a model with layers"
@@ -94,16 +112,34 @@ class PieceGraphs:
         """The same buffer as the attention kernels write it."""
         self._buckets: dict[int, _Bucket] = {}
         self._pool: tuple[int, int] | None = None
+        assert fresh is None or fresh.supports_fresh, "the backend cannot attend fresh prompts"
+        self.fresh_attn = fresh
+        self.fresh_index = FreshIndex(*(torch.zeros_like(self.input_ids) for _ in range(3)))
+        """The whole-forward graphs' inputs beside the token ids."""
+        self._padding = torch.arange(max_tokens, device=device)
+        """Positions of the padding rows' prompt."""
         if not capture:
             return
         self._side = torch.cuda.Stream(device)
         with torch.cuda.device(device):
             for size in reversed(self.sizes):  # largest first: the pool's blocks fit the rest
                 self._buckets[size] = self._capture(size)
+            if fresh is not None:  # after the pieces, in the same pool (never run together)
+                for size in reversed(self.sizes):
+                    self._capture_fresh(size, self._buckets[size])
             torch.cuda.synchronize(device)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return 0 < batch.input_ids.numel() <= self.max_tokens
+
+    def can_run_fresh(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` is fresh prompts these graphs take whole: every
+        request from position 0 (its new tokens are all its tokens)."""
+        return (
+            self.fresh_attn is not None
+            and self.can_run(batch)
+            and batch.seq_lens == batch.extend_lens
+        )
 
     def _pieces(self, size: int) -> list[Callable[[Any], Any]]:
         """Piece ``i`` as a function of piece ``i - 1``'s ``(qkv, residual)``."""
@@ -145,6 +181,53 @@ class PieceGraphs:
                 bucket.qkv.append(_borrowed(out[0]))
         bucket.hidden = out
         return bucket
+
+    def _whole(self, size: int) -> torch.Tensor:
+        """The whole forward of ``size`` rows of fresh prompts (its inputs in
+        ``input_ids`` and ``fresh_index``): hidden states after the final norm."""
+        assert self.fresh_attn is not None
+        fresh = FreshIndex(*(t[:size] for t in self.fresh_index))
+        rope = self.model.rotary.prepare(fresh.positions, self.dtype)
+        heads = self._attn_heads[:size]
+        pieces = self._pieces(size)
+        out = pieces[0](None)
+        for i, piece in enumerate(pieces[1:]):
+            self.layers[i].self_attn.core(out[0], rope, self.fresh_attn, heads, fresh)
+            out = piece(out)
+        return out
+
+    def _capture_fresh(self, size: int, bucket: _Bucket) -> None:
+        side = self._side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._whole(size)  # warm-up outside the graph (the kernel's compile)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
+            bucket.fresh_hidden = self._whole(size)
+        bucket.fresh = graph
+
+    def run_fresh(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` after the final norm of ``batch``'s
+        ``n`` tokens (``can_run_fresh``), its attention included in one graph,
+        with no plan. Only valid until the next forward on these graphs."""
+        n = batch.input_ids.numel()
+        size = next(s for s in self.sizes if s >= n)
+        positions, pages, slots = self.fresh_index
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        positions[:n].copy_(batch.positions, non_blocking=True)
+        pages[:n].copy_(batch.write_pages, non_blocking=True)
+        slots[:n].copy_(batch.write_slots, non_blocking=True)
+        if n < size:  # the padding: a prompt of its own, into the scratch page
+            positions[n:size].copy_(self._padding[: size - n])
+            pages[n:size].zero_()
+            slots[n:size].zero_()
+        bucket = self._buckets.get(size)
+        if bucket is None or bucket.fresh is None:  # not captured: eagerly
+            return self._whole(size)[:n]
+        bucket.fresh.replay()
+        assert bucket.fresh_hidden is not None
+        return bucket.fresh_hidden[:n]
 
     def run(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` after the final norm of ``batch``'s

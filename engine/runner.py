@@ -205,7 +205,10 @@ class ModelRunner:
         """Prefill and mixed forwards of up to ``cuda_graph_max_tokens`` tokens."""
         if config.cuda_graph_max_tokens:
             with torch.inference_mode():
-                self.pieces = PieceGraphs(self.model, self.device, config.cuda_graph_max_tokens)
+                fresh = self.attn if config.fresh_prefill_graphs else None
+                self.pieces = PieceGraphs(
+                    self.model, self.device, config.cuda_graph_max_tokens, fresh=fresh
+                )
             times.done("piecewise graphs")
             log.info(
                 "piecewise CUDA graphs: %d token counts up to %d captured in %.1f s",
@@ -371,7 +374,9 @@ class ModelRunner:
             rows = self.graphs.as_decode_rows(batch)
             if rows is not None:
                 return self.graphs.run(rows)
-        if self.pieces is not None and self.pieces.can_run(batch):
+        if self.pieces is not None and self.pieces.can_run_fresh(batch):
+            hidden = self.pieces.run_fresh(batch)  # one graph, no plan
+        elif self.pieces is not None and self.pieces.can_run(batch):
             hidden = self.pieces.run(batch, self.attn)  # plans attention itself
         else:
             self.attn.begin_forward(batch)

@@ -69,6 +69,48 @@ def test_pieces_equal_the_forward(model_dir: str, lens: list[tuple[int, int]]) -
     assert alloc.num_free == free
 
 
+@pytest.mark.parametrize("lens", [[7], [5, 30, 1], [32, 32, 32]], ids=["one", "three", "full"])
+def test_fresh_prompts_whole_forward_equals_the_forward(model_dir: str, lens: list[int]) -> None:
+    """Fresh prompts through the whole-forward path (eagerly: the buffers,
+    padding and plan-free attention its graphs capture) against the model's
+    own forward: the same hidden states on the real rows, the same K/V in
+    the prompts' pages, and nothing written elsewhere but the scratch page
+    (the padding's). A batch with a cached prefix is not taken."""
+    runner = _runner(model_dir)
+    alloc, ps, kv = runner.pool.allocator, runner.pool.page_size, runner.pool.kv
+    free = alloc.num_free
+    gen = torch.Generator().manual_seed(sum(lens))
+    specs = []
+    for n in lens:
+        table = alloc.alloc(-(-n // ps))
+        assert table is not None
+        specs.append(ExtendSpec(torch.randint(3, 500, (n,), generator=gen).tolist(), 0, table))
+    batch = build_forward_batch(specs, ps, "cpu")
+    pieces = PieceGraphs(runner.model, torch.device("cpu"), 96, capture=False, fresh=runner.attn)
+    assert pieces.can_run_fresh(batch)
+    assert not PieceGraphs(runner.model, torch.device("cpu"), 96, capture=False).can_run_fresh(
+        batch
+    )
+    runner.attn.begin_forward(batch)
+    want = runner.model(batch.input_ids, batch.positions, runner.attn)
+    want_kv = kv.clone()
+    kv.zero_()
+    got = pieces.run_fresh(batch)  # no begin_forward: nothing planned
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    used = torch.tensor([p for spec in specs for p in spec.page_table])
+    torch.testing.assert_close(kv[used], want_kv[used], rtol=1e-6, atol=1e-6)
+    others = torch.ones(kv.shape[0], dtype=torch.bool)
+    others[used] = False
+    others[0] = False
+    assert not kv[others].any()
+    assert sum(lens) == 96 or kv[0].any()  # the padding went to the scratch page
+    prefix = ExtendSpec([5, 6], 3, specs[0].page_table)
+    assert not pieces.can_run_fresh(build_forward_batch([prefix], ps, "cpu"))
+    for spec in specs:
+        alloc.free(spec.page_table)
+    assert alloc.num_free == free
+
+
 def test_piece_graph_settings() -> None:
     mc = ModelConfig.from_dict(
         {
@@ -92,3 +134,8 @@ def test_piece_graph_settings() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         EngineConfig(cuda_graph_max_tokens=-1)
     assert resolved(cuda_graph_max_tokens=0).cuda_graph_max_tokens == 0
+    # Whole-forward graphs of fresh prompts: off by default, and they need the
+    # piecewise graphs (the e4m3 refusal is a GPU test).
+    assert resolved().fresh_prefill_graphs is False
+    with pytest.raises(ValueError, match="fresh_prefill_graphs"):
+        resolved(fresh_prefill_graphs=True)

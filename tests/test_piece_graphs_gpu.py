@@ -86,3 +86,51 @@ def test_piece_graphs_replay_alike_and_fall_back_past_their_largest() -> None:
     assert torch.equal(outs[0], outs[2])
     assert outs[1].isfinite().all() and outs[3].isfinite().all()
     assert alloc.num_free == free
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_fresh_prompts_replay_as_one_graph(arch: str) -> None:
+    """``fresh_prefill_graphs``: fresh prompts replayed as one graph a bucket
+    (the Triton kernel, no plan) against the piecewise graphs of the same
+    weights (FlashInfer's attention: within 2%, greedy tokens of 16 rows or
+    more agreeing on 90%); the same prompt twice the same to the bit; a
+    batch with a cached prefix, and one past the largest bucket, take the
+    other paths; e4m3 pages are refused."""
+    fresh = small_runner(0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=True)
+    pieces = small_runner(0, arch, cuda_graph_max_tokens=128)
+    assert fresh.pieces is not None and fresh.pieces.fresh_attn is fresh.attn
+    free = [r.pool.allocator.num_free for r in (fresh, pieces)]
+    cases = [[100], [5, 60, 1], [64, 64], [100], [200]]
+    outs = []
+    for lens in cases:
+        logits = []
+        for r in (fresh, pieces):
+            specs = []
+            for n in lens:
+                table = r.pool.allocator.alloc(-(-n // PAGE_SIZE))
+                assert table is not None
+                ids = torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n))
+                specs.append(ExtendSpec(ids.tolist(), 0, table, "all"))
+            batch = build_forward_batch(specs, PAGE_SIZE, "cuda:0")
+            if r is fresh:
+                assert r.pieces.can_run_fresh(batch) == (sum(lens) <= 128)
+            with torch.inference_mode():
+                logits.append(r.forward_logits(batch).float().clone())
+            if r is fresh and sum(lens) <= 128:
+                prefix = ExtendSpec([7], 1, specs[0].page_table, "all")  # after one cached token
+                assert not r.pieces.can_run_fresh(
+                    build_forward_batch([prefix], PAGE_SIZE, "cuda:0")
+                )
+            for spec in specs:
+                r.pool.allocator.free(spec.page_table)
+        got, ref = logits
+        assert got.isfinite().all()
+        assert _rel(got, ref) < 2e-2, lens
+        if got.shape[0] >= 16:
+            assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9, lens
+        outs.append(got)
+    assert torch.equal(outs[0], outs[3])
+    assert [r.pool.allocator.num_free for r in (fresh, pieces)] == free
+    with pytest.raises(ValueError, match="fresh_prefill_graphs"):
+        small_runner(0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=True,
+                     kv_cache_dtype="fp8_e4m3")  # fmt: skip

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
+from torch.nn import functional as F
 
 from engine.attention.rope_kv_write import QKPrologue
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
+
+
+class FreshIndex(NamedTuple):
+    """A forward of fresh prompts: every request starts at position 0 (no
+    cached prefix) and its rows are consecutive. Each row's position in its
+    prompt, and the page and slot its K/V go to (padding rows: the scratch
+    page 0). Device tensors ``[rows]``, so that a CUDA graph reads them."""
+
+    positions: torch.Tensor
+    write_pages: torch.Tensor
+    write_slots: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -70,3 +83,40 @@ class AttentionBackend(ABC):
         be multiplied by the V scale. Only backends that set
         ``fuses_prologue`` take it."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k prologue")
+
+    @property
+    def supports_fresh(self) -> bool:
+        """Whether ``forward_fresh`` runs here: pages of the queries' dtype (its
+        attention reads this forward's k and v as computed, which over e4m3
+        pages would differ from what the pages hold)."""
+        return self.pool.kv.dtype == self.q_dtype
+
+    def forward_fresh(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        fresh: FreshIndex,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward`` for a forward of fresh prompts, with no ``begin_forward``:
+        k and v written where ``fresh`` says, and each row attends the rows of
+        its own prompt up to itself among this forward's k and v, found from
+        the positions alone (nothing here depends on the host, so a CUDA graph
+        replays it for any prompts). This reference masks a dense
+        ``[rows, rows]`` score matrix; backends may run a kernel instead."""
+        self.pool.write(layer, fresh.write_pages, fresh.write_slots, k, v)
+        n = q.shape[0]
+        rows = torch.arange(n, device=q.device)
+        first = (rows - fresh.positions).clamp(min=0)
+        mask = (rows[None, :] <= rows[:, None]) & (rows[None, :] >= first[:, None])
+        group = self.num_heads // self.num_kv_heads
+        keys = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        values = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale
+        )
+        out = torch.empty_like(q) if out is None else out
+        out.copy_(o.transpose(0, 1))
+        return out

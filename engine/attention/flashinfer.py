@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine.attention import paged_decode, rope_kv_write
-from engine.attention.base import AttentionBackend
+from engine.attention import fresh_prefill, paged_decode, rope_kv_write
+from engine.attention.base import AttentionBackend, FreshIndex
 from engine.attention.rope_kv_write import AppendIndex, QKPrologue
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KV_FP8, KVPool
@@ -383,6 +383,20 @@ class FlashInferAttention(AttentionBackend):
         cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
         rope_kv_write.rope_kv_write(q, k, v, pre, *cache, ix)
         return self._attend(q, cache, out)
+
+    def forward_fresh(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        fresh: FreshIndex,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # The Triton kernel over this forward's own k and v (no plan).
+        self.pool.write(layer, fresh.write_pages, fresh.write_slots, k, v)
+        out = q.new_empty(q.shape) if out is None else out
+        return fresh_prefill.fresh_prefill(q, k, v, fresh.positions, out, self.scale)
 
     def _attend(
         self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None

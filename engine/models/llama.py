@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, FreshIndex
 from engine.attention.rope_kv_write import QKPrologue
 from engine.layers import fp8, moe
 from engine.layers.fp8_quant import Quantized
@@ -63,12 +63,15 @@ class Attention(nn.Module):
         rope: RotaryInput,
         attn: AttentionBackend,
         out: torch.Tensor | None = None,
+        fresh: FreshIndex | None = None,
     ) -> torch.Tensor:
         """Attention ``[n, heads * head_dim]`` from the QKV projection's output
         ``[n, q + 2 kv]``: q/k norms, rotary embedding, KV write and the
         attention kernel, everything of the layer that reads the KV pool (the
         part ``engine.piece_graphs`` runs between its graphs). Written into
-        ``out`` ``[n, heads, head_dim]`` (contiguous) where given."""
+        ``out`` ``[n, heads, head_dim]`` (contiguous) where given. ``fresh``:
+        a forward of fresh prompts, attended without a plan
+        (``AttentionBackend.forward_fresh``)."""
         n = qkv.shape[0]
         # Views into the projection's output: the kernels read them through their
         # strides (rotary may rotate them in place), so no copy is made.
@@ -76,7 +79,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if attn.fuses_prologue:
+        if attn.fuses_prologue and fresh is None:
             positions, table = rope  # the FlashInfer kernels' rotary input
             norms = (
                 (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
@@ -92,7 +95,10 @@ class Attention(nn.Module):
                 # query and the output, so every backend reads the pages as stored.
                 ks, vs = self.kv_scales
                 q, k, v = q * ks, k / ks, v / vs
-            out = attn.forward(q, k, v, self.layer, out)
+            if fresh is None:
+                out = attn.forward(q, k, v, self.layer, out)
+            else:
+                out = attn.forward_fresh(q, k, v, self.layer, fresh, out)
         if self.kv_scales is not None:
             out.mul_(self.kv_scales[1])
         return out.reshape(n, self.q_size)
