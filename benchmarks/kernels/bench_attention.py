@@ -201,26 +201,9 @@ def time_kernel(
                 torch.nn.functional.linear(*gemm)
             run(caches[layer % len(caches)])
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the graph
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        step()
-    times = []
-    for i in range(args.reps + 3):
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        if i >= 3:
-            times.append(start.elapsed_time(end))
+    ms, graph = time_graph(step, args.reps, device)
     if gemm is None:
-        return statistics.median(times)
+        return ms
     # With products in between, the attention's own kernels are timed from a
     # profile of one replay.
     from torch.profiler import ProfilerActivity, profile
@@ -237,6 +220,30 @@ def time_kernel(
         )
         / 1e3
     )
+
+
+def time_graph(step: Any, reps: int, device: torch.device) -> tuple[float, Any]:
+    """GPU ms of ``step`` replayed from a CUDA graph (the median of ``reps``,
+    after three untimed), and the graph."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step()
+    times = []
+    for i in range(reps + 3):
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times), graph
 
 
 def _triton_call(variant: Variant, args: argparse.Namespace, call: DecodeCall) -> Any:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import machine, write_record
+from benchmarks.kernels.bench_attention import time_graph
 from engine.attention.fresh_prefill import FreshTiles, fresh_prefill, tiles
 
 TILES = {
@@ -48,29 +49,6 @@ def prompt_lengths(spec: str) -> list[int]:
 
 def causal_flops(lengths: list[int], heads: int, head_dim: int) -> int:
     return sum(4 * heads * head_dim * n * (n + 1) // 2 for n in lengths)
-
-
-def time_graph(step: Any, reps: int, device: torch.device) -> float:
-    """GPU ms of ``step`` replayed from a CUDA graph (median)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the graph
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        step()
-    times = []
-    for i in range(reps + 3):
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 class Case:
@@ -190,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                     t = TILES[variant] or tiles(args.head_dim)
                     row["tiles"] = t._asdict()
                     step = triton_step(case, args, t)
-                ms = time_graph(step, args.reps, device)
+                ms = time_graph(step, args.reps, device)[0]
             except Exception as e:  # a variant the build lacks: say so, go on
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {e}"
