@@ -23,9 +23,11 @@ Fresh prompts (``fresh``: every request from position 0, no cached prefix, as
 a lone new prompt is) need no cut: ``AttentionBackend.forward_fresh`` attends
 a forward's own K/V without a plan, so the whole forward, attention
 included, is one graph per bucket, and the host's work for it is a few
-copies into its inputs. Its padding rows form one more prompt of their own
-(positions 0, 1, ...), which no real row attends, and write their K/V into
-the scratch page 0.
+copies into its inputs. No real row attends a padding row (they come after
+every real row, and a row attends only rows of its prompt up to itself);
+padding rows keep whatever positions and slots the buffers held (stale
+positions at worst make them attend real rows, and their outputs are never
+read) and write their K/V into the scratch page 0.
 
 Memory: the pieces of every bucket share one pool, captured in the order they
 replay. A piece's outputs are released once the next piece is captured, so
@@ -116,8 +118,6 @@ class PieceGraphs:
         self.fresh_attn = fresh
         self.fresh_index = FreshIndex(*(torch.zeros_like(self.input_ids) for _ in range(3)))
         """The whole-forward graphs' inputs beside the token ids."""
-        self._padding = torch.arange(max_tokens, device=device)
-        """Positions of the padding rows' prompt."""
         if not capture:
             return
         self._side = torch.cuda.Stream(device)
@@ -218,10 +218,7 @@ class PieceGraphs:
         positions[:n].copy_(batch.positions, non_blocking=True)
         pages[:n].copy_(batch.write_pages, non_blocking=True)
         slots[:n].copy_(batch.write_slots, non_blocking=True)
-        if n < size:  # the padding: a prompt of its own, into the scratch page
-            positions[n:size].copy_(self._padding[: size - n])
-            pages[n:size].zero_()
-            slots[n:size].zero_()
+        pages[n:size].zero_()  # the padding's K/V into the scratch page
         bucket = self._buckets.get(size)
         if bucket is None or bucket.fresh is None:  # not captured: eagerly
             return self._whole(size)[:n]

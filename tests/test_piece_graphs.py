@@ -75,7 +75,8 @@ def test_fresh_prompts_whole_forward_equals_the_forward(model_dir: str, lens: li
     padding and plan-free attention its graphs capture) against the model's
     own forward: the same hidden states on the real rows, the same K/V in
     the prompts' pages, and nothing written elsewhere but the scratch page
-    (the padding's). A batch with a cached prefix is not taken."""
+    (the padding's, whose positions and slots are a larger forward's). A
+    batch with a cached prefix is not taken."""
     runner = _runner(model_dir)
     alloc, ps, kv = runner.pool.allocator, runner.pool.page_size, runner.pool.kv
     free = alloc.num_free
@@ -91,6 +92,12 @@ def test_fresh_prompts_whole_forward_equals_the_forward(model_dir: str, lens: li
     assert not PieceGraphs(runner.model, torch.device("cpu"), 96, capture=False).can_run_fresh(
         batch
     )
+    # A full bucket first, so the padding rows below hold its stale positions
+    # and slots.
+    stale = alloc.alloc(96 // ps)
+    assert stale is not None
+    pieces.run_fresh(build_forward_batch([ExtendSpec([9] * 96, 0, stale)], ps, "cpu"))
+    alloc.free(stale)
     runner.attn.begin_forward(batch)
     want = runner.model(batch.input_ids, batch.positions, runner.attn)
     want_kv = kv.clone()
