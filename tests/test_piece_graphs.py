@@ -5,6 +5,8 @@ and padding the graphs capture); the CUDA-graph replay of them is a GPU test."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -69,15 +71,23 @@ def test_pieces_equal_the_forward(model_dir: str, lens: list[tuple[int, int]]) -
     assert alloc.num_free == free
 
 
-@pytest.mark.parametrize("lens", [[7], [5, 30, 1], [32, 32, 32]], ids=["one", "three", "full"])
-def test_fresh_prompts_whole_forward_equals_the_forward(model_dir: str, lens: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("variant", "lens"),
+    [("tiny", [7]), ("tiny", [5, 30, 1]), ("tiny", [32, 32, 32]), ("qwen3-gqa4", [5, 30, 1]),
+     ("qwen3moe-e8k2-norm", [5, 30, 1])],
+    ids=["one", "three", "full", "qwen3", "qwen3moe"],
+)  # fmt: skip
+def test_fresh_prompts_whole_forward_equals_the_forward(
+    model_dir: str, hf_checkpoint: Any, variant: str, lens: list[int]
+) -> None:
     """Fresh prompts through the whole-forward path (eagerly: the buffers,
     padding and plan-free attention its graphs capture) against the model's
     own forward: the same hidden states on the real rows, the same K/V in
     the prompts' pages, and nothing written elsewhere but the scratch page
     (the padding's, whose positions and slots are a larger forward's). A
-    batch with a cached prefix is not taken."""
-    runner = _runner(model_dir)
+    batch with a cached prefix is not taken. The built-in tiny Llama, and
+    Qwen3 (q/k norms) and Qwen3-MoE (sparse layers in the graph)."""
+    runner = _runner(model_dir if variant == "tiny" else str(hf_checkpoint(variant)[0]))
     alloc, ps, kv = runner.pool.allocator, runner.pool.page_size, runner.pool.kv
     free = alloc.num_free
     gen = torch.Generator().manual_seed(sum(lens))
@@ -85,7 +95,8 @@ def test_fresh_prompts_whole_forward_equals_the_forward(model_dir: str, lens: li
     for n in lens:
         table = alloc.alloc(-(-n // ps))
         assert table is not None
-        specs.append(ExtendSpec(torch.randint(3, 500, (n,), generator=gen).tolist(), 0, table))
+        ids = torch.randint(3, min(500, runner.model_config.vocab_size), (n,), generator=gen)
+        specs.append(ExtendSpec(ids.tolist(), 0, table))
     batch = build_forward_batch(specs, ps, "cpu")
     pieces = PieceGraphs(runner.model, torch.device("cpu"), 96, capture=False, fresh=runner.attn)
     assert pieces.can_run_fresh(batch)
