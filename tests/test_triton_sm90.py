@@ -633,7 +633,8 @@ def test_fresh_prefill_compiles_to_tensor_cores(
     """The plan-free causal prefill (``engine.attention.fresh_prefill``) at each
     preset's heads (head_dim 128 and 64), bf16 q, k and v as views into the
     QKV output, 1024 rows: it fits the SM's shared memory, spills nothing and
-    runs its products on the tensor cores in its key loop."""
+    runs its products on the tensor cores in its key loop, with K and V
+    copied 16 bytes at a time (the row strides specialized)."""
     from engine.attention import fresh_prefill as fp
 
     c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
@@ -649,3 +650,5 @@ def test_fresh_prefill_compiles_to_tensor_cores(
     assert used.stack == 0, used
     tensor_ops = sum(c for op, c in used.loop.items() if op.startswith(("HGMMA", "HMMA")))
     assert tensor_ops > 0, used.loop
+    wide_copies = [op for op in used.loop if op.startswith("LDGSTS") and op.endswith(".128")]
+    assert wide_copies and not any(op.startswith("LDG.E.U16") for op in used.loop), used.loop

@@ -12,7 +12,7 @@ the rate in TFLOP/s of the causal products (4 x heads x head_dim per pair of
 query and key a prompt holds). Outputs are checked against each other::
 
     python -m benchmarks.kernels.bench_prefill_attention --prompts 1024 2048 4x256 \\
-        --variants flashinfer triton triton-64x64 triton-128x64
+        --variants flashinfer triton triton-128x32 triton-128x128 triton-64x64
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import torch
 
 from benchmarks.common import machine, write_record
 from benchmarks.kernels.bench_attention import time_graph
-from engine.attention.fresh_prefill import FreshTiles, fresh_prefill, tiles
+from engine.attention.fresh_prefill import FreshTiles, fresh_prefill
 
 TILES = {
-    "triton": None,  # the kernel's own tiles (``fresh_prefill.tiles``)
-    "triton-128x64": FreshTiles(128, 64, 8, 2),
+    "triton": FreshTiles(),  # the kernel's own tiles
     "triton-128x64-s3": FreshTiles(128, 64, 8, 3),
+    "triton-128x128": FreshTiles(128, 128, 8, 2),
+    "triton-128x32": FreshTiles(128, 32, 8, 2),
     "triton-64x64": FreshTiles(64, 64, 4, 2),
-    "triton-64x32": FreshTiles(64, 32, 4, 2),
 }
 VARIANTS = ("flashinfer", *TILES)
 DTYPE = torch.bfloat16
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                 if variant == "flashinfer":
                     step = flashinfer_step(case, args, plans)
                 else:
-                    t = TILES[variant] or tiles(args.head_dim)
+                    t = TILES[variant]
                     row["tiles"] = t._asdict()
                     step = triton_step(case, args, t)
                 ms = time_graph(step, args.reps, device)[0]

@@ -37,26 +37,19 @@ from engine.layers import pdl
 
 
 class FreshTiles(NamedTuple):
-    """Rows a program (``block_m``), keys a tile (``block_n``), warps, stages."""
+    """Rows a program (``block_m``), keys a tile (``block_n``), warps, stages.
+
+    The default, not yet chosen by a measurement: compiled for sm_90 at head
+    sizes 128 and 64 it spills nothing (182 and 125 registers from Triton
+    3.6, 211 and 123 from 3.9), copies K and V 16 bytes at a time
+    (``cp.async``) and issues fewer loop instructions a key than 32-key
+    tiles (``tests/test_triton_sm90.py``; ``bench_prefill_attention`` times
+    the others)."""
 
     block_m: int = 128
-    block_n: int = 32
+    block_n: int = 64
     warps: int = 8
     stages: int = 2
-
-
-HEAD_DIMS = (64, 128)
-"""Head sizes the tiles are chosen for (any power of two from 16 runs)."""
-
-
-def tiles(head_dim: int) -> FreshTiles:
-    """The tiles for ``head_dim``, not yet chosen by a measurement: 128 rows on
-    8 warps, with 32 keys a tile for 128-wide heads and 64 for narrower ones,
-    the widest that compile for sm_90 with nothing spilled (Triton 3.6 and
-    3.9; 64 keys at 128-wide heads take 255 registers and spill 120 bytes a
-    thread from 3.9). ``benchmarks.kernels.bench_prefill_attention`` times
-    the others."""
-    return FreshTiles() if head_dim >= 128 else FreshTiles(block_n=64)
 
 
 @cache
@@ -66,7 +59,9 @@ def _kernel() -> Any:
 
     prologue = pdl.prologue()
 
-    @triton.jit(do_not_specialize=["n_rows", "stride_qt", "stride_kt", "stride_vt", "stride_ot"])
+    # The strides stay specialized: divisible by 16, they let K and V tiles be
+    # copied 16 bytes at a time; unspecialized, element by element.
+    @triton.jit(do_not_specialize=["n_rows"])
     def fresh_attend(q, k, v, positions, out, n_rows,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ot, stride_oh, qk_scale,
@@ -154,7 +149,7 @@ def fresh_prefill(
     check(q, k, v, out)
     n, heads, head_dim = q.shape
     rows = n if n_rows is None else n_rows
-    t = fresh_tiles or tiles(head_dim)
+    t = fresh_tiles or FreshTiles()
     if n == 0:
         return out
     grid = (-(-n // t.block_m), heads)
