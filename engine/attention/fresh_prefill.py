@@ -40,8 +40,8 @@ class FreshTiles(NamedTuple):
     """Rows a program (``block_m``), keys a tile (``block_n``), warps, stages.
 
     The default, not yet chosen by a measurement: compiled for sm_90 at head
-    sizes 128 and 64 it spills nothing (182 and 125 registers from Triton
-    3.6, 211 and 123 from 3.9), copies K and V 16 bytes at a time
+    sizes 128 and 64 it spills nothing (185 registers at 128 from Triton
+    3.6, about 210 from 3.9), copies K and V 16 bytes at a time
     (``cp.async``) and issues fewer loop instructions a key than 32-key
     tiles (``tests/test_triton_sm90.py``; ``bench_prefill_attention`` times
     the others)."""
@@ -93,16 +93,16 @@ def _kernel() -> Any:
             inside = cols < hi
             kb = tl.load(k + cols[:, None] * stride_kt + kv_h * stride_kh + d[None, :],
                          mask=inside[:, None], other=0.0)  # fmt: skip
-            s = tl.dot(qb, tl.trans(kb)) * qk_scale  # log2 units
+            s = tl.dot(qb, tl.trans(kb))  # unscaled: the scale goes into one fma below
             if (start < clear) | (start + BLOCK_N > block * BLOCK_M):
                 ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= first[:, None])
                 s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units
             # A row with no key in this tile yet keeps -inf: subtract 0 then,
             # so that its weights are 0 rather than NaN.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(s - m_use[:, None])
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             vb = tl.load(v + cols[:, None] * stride_vt + kv_h * stride_vh + d[None, :],
                          mask=inside[:, None], other=0.0)  # fmt: skip
