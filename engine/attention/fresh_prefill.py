@@ -13,7 +13,7 @@ replays it for any prompts that fill the bucket. FlashInfer's prefill needs
 prompt's first attention call, which the device waits for on a lone prompt
 (docs/benchmarks.md, FP8 prefill).
 
-One program per block of ``BLOCK_M`` rows and query head: an online softmax
+One program per query head and block of ``BLOCK_M`` rows: an online softmax
 over key tiles of ``BLOCK_N`` rows, from the first key of the block's
 earliest prompt to the block's last row; the causal mask and each row's own
 first key mask the rest. A block may hold the end of one prompt and the
@@ -69,8 +69,10 @@ def _kernel() -> Any:
                      BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
-        block = tl.program_id(0)
-        h = tl.program_id(1)
+        # Heads vary fastest and the last blocks (the most keys under the
+        # causal mask) start first, so the short ones fill in behind them.
+        h = tl.program_id(0)
+        block = tl.num_programs(1) - 1 - tl.program_id(1)
         kv_h = h // G
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         live = rows < n_rows
@@ -152,7 +154,7 @@ def fresh_prefill(
     t = fresh_tiles or FreshTiles()
     if n == 0:
         return out
-    grid = (-(-n // t.block_m), heads)
+    grid = (heads, -(-n // t.block_m))
     log2e = 1.4426950408889634
     _kernel()[grid](
         q, k, v, positions, out, rows,
