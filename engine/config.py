@@ -119,9 +119,8 @@ class EngineConfig:
         None,
         help="with flashinfer attention and piecewise graphs: forwards of prompts "
         "without a cached prefix run as one CUDA graph per token count, attention "
-        "included, on a Triton kernel that needs no plan from the host; KV pages of "
-        "the model's dtype only (default: auto, off: not yet measured against the "
-        "piecewise graphs)",
+        "included, on a Triton kernel that needs no plan from the host (default: auto, "
+        "off: not yet measured against the piecewise graphs)",
         group=MODEL_GROUP,
     )
     fuse_rope_kv_write: bool | None = setting(
@@ -371,10 +370,10 @@ class EngineConfig:
         budget = self.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET)
         graph_tokens = min(graph_tokens, budget)  # no forward is larger
         fresh = bool(self.fresh_prefill_graphs)
-        if fresh and (not graph_tokens or self.kv_cache_dtype == "fp8_e4m3"):
+        if fresh and not graph_tokens:
             raise ValueError(
                 "fresh_prefill_graphs needs piecewise CUDA graphs (flashinfer attention, "
-                "cuda_graph_max_tokens > 0) and KV pages of the model's dtype"
+                "cuda_graph_max_tokens > 0)"
             )
         if self.fuse_rope_kv_write and backend != "flashinfer":
             raise ValueError("fuse_rope_kv_write needs attention_backend 'flashinfer'")

@@ -97,7 +97,7 @@ class PieceGraphs:
         layer. ``capture`` False: the same pieces, buffers and padding run
         eagerly on any device (no graphs), as a reference for the replays.
         ``fresh``: the backend whose ``forward_fresh`` the whole-forward graphs
-        of fresh prompts take (it must ``supports_fresh``); None: none."""
+        of fresh prompts take; None: none."""
         self.model = model
         self.layers = list(model.model.layers)
         assert self.layers, "piecewise graphs need a model with layers"
@@ -114,7 +114,6 @@ class PieceGraphs:
         """The same buffer as the attention kernels write it."""
         self._buckets: dict[int, _Bucket] = {}
         self._pool: tuple[int, int] | None = None
-        assert fresh is None or fresh.supports_fresh, "the backend cannot attend fresh prompts"
         self.fresh_attn = fresh
         self.fresh_index = FreshIndex(*(torch.zeros_like(self.input_ids) for _ in range(3)))
         """The whole-forward graphs' inputs beside the token ids."""

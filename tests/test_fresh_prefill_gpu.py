@@ -59,6 +59,26 @@ def test_matches_float64(
     assert err < 1e-2 * ref.abs().max().item(), err
 
 
+def test_e4m3_pages_attended_as_they_hold_k_and_v() -> None:
+    """``kv_e4m3``: k and v rounded to e4m3 on the GPU as the pool rounds
+    them (``KVPool.stored``: saturated at +-448, to nearest even), V scaled
+    so that some saturate."""
+    heads, kv_heads, d, lengths = 32, 8, 128, [700, 324]
+    n = sum(lengths)
+    q, k, v = _split(_qkv(n, heads, kv_heads, d, seed=9), heads, kv_heads)
+    v.mul_(200.0)
+    out = torch.empty(n, heads, d, dtype=torch.bfloat16, device=DEVICE)
+    fresh_prefill(q, k, v, _positions(lengths), out, d**-0.5, kv_e4m3=True)
+
+    def paged(x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+
+    assert (v.abs() > 448).any()
+    ref = _reference(q, paged(k), paged(v), lengths)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 1e-2 * ref.abs().max().item(), err
+
+
 def test_one_graph_serves_other_prompts_of_the_same_rows() -> None:
     """Captured once with one split of 512 rows into prompts, replayed with
     others (the positions and q/k/v refilled in place): each replay equals

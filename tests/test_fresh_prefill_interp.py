@@ -96,6 +96,37 @@ def test_padding_rows_are_neither_attended_nor_written() -> None:
 
 
 @interpreted
+def test_e4m3_pages_attended_as_they_hold_k_and_v() -> None:
+    """``kv_e4m3``: k and v as e4m3 pages hold them, saturated at +-448. The
+    values are e4m3 ones to begin with (the interpreter's rounding to e4m3
+    is not the GPU's at ties and binade edges; the GPU test checks the
+    rounding), some of V past the format's largest: attended saturated, the
+    same forward without ``kv_e4m3`` differs."""
+    from engine.attention.fresh_prefill import fresh_prefill
+
+    lengths, heads, kv_heads, d = [5, 30], 4, 2, 16
+    n = sum(lengths)
+    q, k, v = _qkv(n, heads, kv_heads, d, seed=11)
+
+    def paged(x: torch.Tensor) -> torch.Tensor:
+        return x.float().clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+
+    k.copy_(paged(k))
+    v.copy_(paged(v * 100))
+    v[::3, :, ::5] *= 4  # past 448: saturated by the pages
+    assert (v.abs() > 448).any()
+    outs = {}
+    for e4m3 in (True, False):
+        out = torch.empty(n, heads, d, dtype=torch.float16)
+        fresh_prefill(q, k, v, _positions(lengths), out, d**-0.5,
+                      fresh_tiles=FreshTiles(16, 16, 4, 1), kv_e4m3=e4m3)  # fmt: skip
+        outs[e4m3] = out
+    ref = _reference(q, k, paged(v), lengths, d**-0.5)
+    assert (outs[True].double() - ref).abs().max().item() < 4e-3 * ref.abs().max().item()
+    assert not torch.equal(outs[True], outs[False])
+
+
+@interpreted
 def test_one_token_of_difference_shows() -> None:
     """The rows after a prompt boundary moved by one token attend different
     keys: the kernel finds each row's prompt from the positions alone."""

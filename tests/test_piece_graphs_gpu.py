@@ -88,16 +88,22 @@ def test_piece_graphs_replay_alike_and_fall_back_past_their_largest() -> None:
     assert alloc.num_free == free
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_fresh_prompts_replay_as_one_graph(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "settings"),
+    [("LlamaForCausalLM", {}), ("Qwen3ForCausalLM", {}),
+     ("LlamaForCausalLM", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"})],
+    ids=["llama", "qwen3", "fp8-e4m3"],
+)  # fmt: skip
+def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
     """``fresh_prefill_graphs``: fresh prompts replayed as one graph a bucket
     (the Triton kernel, no plan) against the piecewise graphs of the same
     weights (FlashInfer's attention: within 2%, greedy tokens of 16 rows or
     more agreeing on 90%); the same prompt twice the same to the bit; a
     batch with a cached prefix, and one past the largest bucket, take the
-    other paths; e4m3 pages are refused."""
-    fresh = small_runner(0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=True)
-    pieces = small_runner(0, arch, cuda_graph_max_tokens=128)
+    other paths. FP8 weights over e4m3 pages too (within 5%: the fused
+    prologue's rounding against the separate kernels')."""
+    fresh = small_runner(0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=True, **settings)
+    pieces = small_runner(0, arch, cuda_graph_max_tokens=128, **settings)
     assert fresh.pieces is not None and fresh.pieces.fresh_attn is fresh.attn
     free = [r.pool.allocator.num_free for r in (fresh, pieces)]
     cases = [[100], [5, 60, 1], [64, 64], [100], [200]]
@@ -125,12 +131,9 @@ def test_fresh_prompts_replay_as_one_graph(arch: str) -> None:
                 r.pool.allocator.free(spec.page_table)
         got, ref = logits
         assert got.isfinite().all()
-        assert _rel(got, ref) < 2e-2, lens
+        assert _rel(got, ref) < (5e-2 if settings else 2e-2), lens
         if got.shape[0] >= 16:
             assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9, lens
         outs.append(got)
     assert torch.equal(outs[0], outs[3])
     assert [r.pool.allocator.num_free for r in (fresh, pieces)] == free
-    with pytest.raises(ValueError, match="fresh_prefill_graphs"):
-        small_runner(0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=True,
-                     kv_cache_dtype="fp8_e4m3")  # fmt: skip

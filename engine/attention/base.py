@@ -84,13 +84,6 @@ class AttentionBackend(ABC):
         ``fuses_prologue`` take it."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k prologue")
 
-    @property
-    def supports_fresh(self) -> bool:
-        """Whether ``forward_fresh`` runs here: pages of the queries' dtype (its
-        attention reads this forward's k and v as computed, which over e4m3
-        pages would differ from what the pages hold)."""
-        return self.pool.kv.dtype == self.q_dtype
-
     def forward_fresh(
         self,
         q: torch.Tensor,
@@ -112,8 +105,9 @@ class AttentionBackend(ABC):
         first = (rows - fresh.positions).clamp(min=0)
         mask = (rows[None, :] <= rows[:, None]) & (rows[None, :] >= first[:, None])
         group = self.num_heads // self.num_kv_heads
-        keys = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-        values = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        # As the pages hold them (e4m3 pages: saturated and rounded).
+        keys = self.pool.stored(k).to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        values = self.pool.stored(v).to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale
         )

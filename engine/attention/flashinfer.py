@@ -396,7 +396,9 @@ class FlashInferAttention(AttentionBackend):
         # The Triton kernel over this forward's own k and v (no plan).
         self.pool.write(layer, fresh.write_pages, fresh.write_slots, k, v)
         out = q.new_empty(q.shape) if out is None else out
-        return fresh_prefill.fresh_prefill(q, k, v, fresh.positions, out, self.scale)
+        return fresh_prefill.fresh_prefill(
+            q, k, v, fresh.positions, out, self.scale, kv_e4m3=self._fp8_kv
+        )
 
     def _attend(
         self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None

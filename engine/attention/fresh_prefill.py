@@ -66,7 +66,8 @@ def _kernel() -> Any:
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_ot, stride_oh, qk_scale,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                     BLOCK_N: tl.constexpr, KV_E4M3: tl.constexpr = False,
+                     PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         # Heads vary fastest and the last blocks (the most keys under the
@@ -95,6 +96,8 @@ def _kernel() -> Any:
             inside = cols < hi
             kb = tl.load(k + cols[:, None] * stride_kt + kv_h * stride_kh + d[None, :],
                          mask=inside[:, None], other=0.0)  # fmt: skip
+            if KV_E4M3:  # as the pages hold it: saturated, rounded to e4m3
+                kb = tl.clamp(kb.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv).to(qb.dtype)
             s = tl.dot(qb, tl.trans(kb))  # unscaled: the scale goes into one fma below
             if (start < clear) | (start + BLOCK_N > block * BLOCK_M):
                 ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= first[:, None])
@@ -108,6 +111,8 @@ def _kernel() -> Any:
             l_i = l_i * alpha + tl.sum(p, 1)
             vb = tl.load(v + cols[:, None] * stride_vt + kv_h * stride_vh + d[None, :],
                          mask=inside[:, None], other=0.0)  # fmt: skip
+            if KV_E4M3:
+                vb = tl.clamp(vb.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv).to(qb.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m_i = m_new
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -143,11 +148,14 @@ def fresh_prefill(
     sm_scale: float,
     n_rows: int | None = None,
     fresh_tiles: FreshTiles | None = None,
+    kv_e4m3: bool = False,
 ) -> torch.Tensor:
     """Causal attention of fresh prompts (module doc) into ``out``: q, k, v
     and out as ``check`` takes them, ``positions`` ``[n]`` each row's position
     in its prompt. ``n_rows``: the rows that are real (default all); the
-    rest are padding, neither attended nor written."""
+    rest are padding, neither attended nor written. ``kv_e4m3``: k and v
+    are attended as e4m3 pages hold them (saturated at +-448, rounded), so
+    that the result is what a paged kernel over those pages computes."""
     check(q, k, v, out)
     n, heads, head_dim = q.shape
     rows = n if n_rows is None else n_rows
@@ -160,7 +168,7 @@ def fresh_prefill(
         q, k, v, positions, out, rows,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), sm_scale * log2e,
-        G=heads // k.shape[1], D=head_dim, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        G=heads // k.shape[1], D=head_dim, BLOCK_M=t.block_m, BLOCK_N=t.block_n, KV_E4M3=kv_e4m3,
         num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(q.device),
     )  # fmt: skip
     return out
