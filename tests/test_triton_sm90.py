@@ -626,13 +626,18 @@ def test_kernel_sass_reads_what_the_fp8_activation_kernels_issue(tmp_path: Path)
         assert len(counts) == 1 and counts.pop() > 100
 
 
-@pytest.mark.parametrize("preset", ["llama-3.1-8b", "llama-3.2-1b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize(
+    ("preset", "e4m3"),
+    [("llama-3.1-8b", False), ("llama-3.2-1b", False), ("qwen3-30b-a3b", False),
+     ("llama-3.1-8b", True)],
+)  # fmt: skip
 def test_fresh_prefill_compiles_to_tensor_cores(
-    preset: str, launches: list[Launch], tmp_path: Path
+    preset: str, e4m3: bool, launches: list[Launch], tmp_path: Path
 ) -> None:
     """The plan-free causal prefill (``engine.attention.fresh_prefill``) at each
     preset's heads (head_dim 128 and 64), bf16 q, k and v as views into the
-    QKV output, 1024 rows: it fits the SM's shared memory, spills nothing and
+    QKV output, 1024 rows (and K and V rounded as e4m3 pages hold them):
+    it fits the SM's shared memory, spills nothing and
     runs its products on the tensor cores in its key loop, with K and V
     copied 16 bytes at a time (the row strides specialized)."""
     from engine.attention import fresh_prefill as fp
@@ -642,7 +647,7 @@ def test_fresh_prefill_compiles_to_tensor_cores(
     qkv = _empty(n, h + 2 * kv, d)
     q, k, v = qkv[:, :h], qkv[:, h : h + kv], qkv[:, h + kv :]
     positions = torch.zeros(n, dtype=torch.int64)
-    fp.fresh_prefill(q, k, v, positions, _empty(n, h, d), d**-0.5)
+    fp.fresh_prefill(q, k, v, positions, _empty(n, h, d), d**-0.5, kv_e4m3=e4m3)
     (launch,) = launches
     out = sm90.compile_launch(launch)
     used = sm90.sass(out.asm["cubin"], tmp_path)
