@@ -40,11 +40,10 @@ class FreshTiles(NamedTuple):
     """Rows a program (``block_m``), keys a tile (``block_n``), warps, stages.
 
     The default, not yet chosen by a measurement: compiled for sm_90 at head
-    sizes 128 and 64 it spills nothing (185 registers at 128 from Triton
-    3.6, about 210 from 3.9), copies K and V 16 bytes at a time
-    (``cp.async``) and issues fewer loop instructions a key than 32-key
-    tiles (``tests/test_triton_sm90.py``; ``bench_prefill_attention`` times
-    the others)."""
+    sizes 128 and 64 it spills nothing, copies K and V 16 bytes at a time
+    (``cp.async``; ``tests/test_triton_sm90.py``) and issues fewer loop
+    instructions a key than 32-key tiles (docs/benchmarks.md, FP8 prefill;
+    ``bench_prefill_attention`` times the others)."""
 
     block_m: int = 128
     block_n: int = 64

@@ -147,11 +147,11 @@ def plan(
     registers of the byte-wise layout change). Batch-invariant chunks keep
     one tile at every batch size (a tile is a step of the sums).
 
-    ``group``: query heads per KV head. Groups of more than 4 on the widened
-    4-page tiles take 137 to 140 registers from Triton 3.6 (Qwen3-MoE's
-    8), three programs an SM; capped at ``WIDE_GROUP_REGISTERS`` they keep
-    four with nothing spilled. Llama's groups of 4 fit 128 uncapped (a cap
-    there spills)."""
+    ``group``: query heads per KV head. Groups of more than 4 (Qwen3-MoE's
+    8) on the widened 4-page tiles take more registers from Triton 3.6 than
+    four programs an SM leave; capped at ``WIDE_GROUP_REGISTERS`` they keep
+    four with nothing spilled. Llama's groups of 4 fit uncapped, and a cap
+    there spills (docs/benchmarks.md, Decode attention)."""
     programs = batch_size * num_kv_heads
     splits = 1
     while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * sms:
