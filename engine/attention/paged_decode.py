@@ -160,7 +160,7 @@ def plan(
     if block_pages is None:
         block_pages = 8 if splits == 1 and not chunk_pages and not widen_v else 4
     warps = 8 if block_pages >= 8 and (widen_v or not e4m3) else 4
-    wide = widen_v and block_pages == 4 and warps == 4 and group > 4
+    wide = widen_v and block_pages == 4 and group > 4  # 4-page tiles take 4 warps
     return DecodePlan(
         splits,
         block_pages,
