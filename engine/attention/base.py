@@ -95,14 +95,26 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """``forward`` for a forward of fresh prompts, with no ``begin_forward``:
         k and v written where ``fresh`` says, and each row attends the rows of
-        its own prompt up to itself among this forward's k and v, found from
-        the positions alone (nothing here depends on the host, so a CUDA graph
-        replays it for any prompts). This reference masks a dense
-        ``[rows, rows]`` score matrix; backends may run a kernel instead."""
+        its own prompt up to itself among this forward's k and v (as the pages
+        hold them), found from the positions alone (nothing here depends on
+        the host, so a CUDA graph replays it for any prompts)."""
         self.pool.write(layer, fresh.write_pages, fresh.write_slots, k, v)
+        out = torch.empty_like(q) if out is None else out
+        return self.attend_fresh(q, k, v, fresh.positions, out)
+
+    def attend_fresh(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward_fresh``'s attention into ``out``. This reference masks a
+        dense ``[rows, rows]`` score matrix; backends may run a kernel."""
         n = q.shape[0]
         rows = torch.arange(n, device=q.device)
-        first = (rows - fresh.positions).clamp(min=0)
+        first = (rows - positions).clamp(min=0)
         mask = (rows[None, :] <= rows[:, None]) & (rows[None, :] >= first[:, None])
         group = self.num_heads // self.num_kv_heads
         # As the pages hold them (e4m3 pages: saturated and rounded).
@@ -111,6 +123,4 @@ class AttentionBackend(ABC):
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scale
         )
-        out = torch.empty_like(q) if out is None else out
-        out.copy_(o.transpose(0, 1))
-        return out
+        return out.copy_(o.transpose(0, 1))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.attention import fresh_prefill, paged_decode, rope_kv_write
-from engine.attention.base import AttentionBackend, FreshIndex
+from engine.attention.base import AttentionBackend
 from engine.attention.rope_kv_write import AppendIndex, QKPrologue
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KV_FP8, KVPool
@@ -384,20 +384,17 @@ class FlashInferAttention(AttentionBackend):
         rope_kv_write.rope_kv_write(q, k, v, pre, *cache, ix)
         return self._attend(q, cache, out)
 
-    def forward_fresh(
+    def attend_fresh(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: int,
-        fresh: FreshIndex,
-        out: torch.Tensor | None = None,
+        positions: torch.Tensor,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         # The Triton kernel over this forward's own k and v (no plan).
-        self.pool.write(layer, fresh.write_pages, fresh.write_slots, k, v)
-        out = q.new_empty(q.shape) if out is None else out
         return fresh_prefill.fresh_prefill(
-            q, k, v, fresh.positions, out, self.scale, kv_e4m3=self._fp8_kv
+            q, k, v, positions, out, self.scale, kv_e4m3=self._fp8_kv
         )
 
     def _attend(
