@@ -159,19 +159,28 @@ class PieceGraphs:
 
         return [first, *(middle(i) for i in range(1, len(layers))), last]
 
+    def _warm_up(self, run: Callable[[], Any]) -> None:
+        """``run`` once on the capture stream, outside any graph (compiles,
+        lazy inits)."""
+        side, current = self._side, torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            run()
+        current.wait_stream(side)
+
     def _capture(self, size: int) -> _Bucket:
         pieces = self._pieces(size)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            out: Any = None  # warm-up outside the graphs (compiles, lazy inits)
+
+        def warm() -> None:
+            out: Any = None
             for piece in pieces:
                 out = piece(out)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+
+        self._warm_up(warm)
         bucket, out = _Bucket(), None
         for i, piece in enumerate(pieces):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._side):
                 new = piece(out)
             self._pool = graph.pool()
             bucket.graphs.append(graph)
@@ -181,39 +190,53 @@ class PieceGraphs:
         bucket.hidden = out
         return bucket
 
+    def _interleaved(
+        self,
+        pieces: list[Callable[[Any], Any]],
+        out: Any,
+        attention: Callable[[int, torch.Tensor], None],
+    ) -> Any:
+        """The pieces after the first, run eagerly from its output ``out``,
+        with layer ``i``'s ``attention(i, qkv)`` before piece ``i + 1``."""
+        for i, piece in enumerate(pieces[1:]):
+            attention(i, out[0])
+            out = piece(out)
+        return out
+
     def _whole(self, size: int) -> torch.Tensor:
         """The whole forward of ``size`` rows of fresh prompts (its inputs in
         ``input_ids`` and ``fresh_index``): hidden states after the final norm."""
         assert self.fresh_attn is not None
         fresh = FreshIndex(*(t[:size] for t in self.fresh_index))
         rope = self.model.rotary.prepare(fresh.positions, self.dtype)
-        heads = self._attn_heads[:size]
+        heads, attn = self._attn_heads[:size], self.fresh_attn
+
+        def attention(i: int, qkv: torch.Tensor) -> None:
+            self.layers[i].self_attn.core(qkv, rope, attn, heads, fresh)
+
         pieces = self._pieces(size)
-        out = pieces[0](None)
-        for i, piece in enumerate(pieces[1:]):
-            self.layers[i].self_attn.core(out[0], rope, self.fresh_attn, heads, fresh)
-            out = piece(out)
-        return out
+        return self._interleaved(pieces, pieces[0](None), attention)
 
     def _capture_fresh(self, size: int, bucket: _Bucket) -> None:
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._whole(size)  # warm-up outside the graph (the kernel's compile)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._warm_up(lambda: self._whole(size))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._side):
             bucket.fresh_hidden = self._whole(size)
         bucket.fresh = graph
+
+    def _take_ids(self, batch: ForwardBatch) -> tuple[int, int]:
+        """The batch's token ids copied into the graphs' input; its rows and
+        their bucket."""
+        n = batch.input_ids.numel()
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        return n, next(s for s in self.sizes if s >= n)
 
     def run_fresh(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` after the final norm of ``batch``'s
         ``n`` tokens (``can_run_fresh``), its attention included in one graph,
         with no plan. Only valid until the next forward on these graphs."""
-        n = batch.input_ids.numel()
-        size = next(s for s in self.sizes if s >= n)
+        n, size = self._take_ids(batch)
         positions, pages, slots = self.fresh_index
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         positions[:n].copy_(batch.positions, non_blocking=True)
         pages[:n].copy_(batch.write_pages, non_blocking=True)
         slots[:n].copy_(batch.write_slots, non_blocking=True)
@@ -234,9 +257,7 @@ class PieceGraphs:
         piece is queued: that piece reads only the token ids, so the device
         runs it while the host plans (a plan is the longest host work
         before the first attention call)."""
-        n = batch.input_ids.numel()
-        size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        n, size = self._take_ids(batch)
         heads = self._attn_heads[:n]
         bucket = self._buckets.get(size)
         pieces = self._pieces(size) if bucket is None else bucket.graphs
@@ -248,11 +269,7 @@ class PieceGraphs:
             self.layers[i].self_attn.core(qkv[:n], rope, attn, heads)
 
         if bucket is None:  # not captured: the pieces eagerly
-            out: Any = first
-            for i, piece in enumerate(pieces[1:]):
-                attention(i, out[0])
-                out = piece(out)
-            return out[:n]
+            return self._interleaved(pieces, first, attention)[:n]
         for i, (graph, qkv) in enumerate(zip(bucket.graphs[1:], bucket.qkv)):
             attention(i, qkv)
             graph.replay()
