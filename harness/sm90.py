@@ -70,9 +70,15 @@ def specialized(launch: Launch) -> tuple[tuple, Any, Any, Any, Any]:
     return key, signature, constexprs, attrs, options
 
 
-def compile_launch(launch: Launch) -> Any:
+def compile_launch(launch: Launch, registers: int = 0) -> Any:
     """The compiled kernel of a caught launch (``.asm``: ttgir, llir, ptx,
-    cubin; ``.metadata.shared``: its shared memory in bytes)."""
+    cubin; ``.metadata.shared``: its shared memory in bytes). ``registers``:
+    a cap on a thread's registers (Triton's ``maxnreg``), as the engine's
+    launches pass it on CUDA tensors only (a launch caught on CPU tensors
+    lacks it); 0: none."""
+    if registers:
+        kernel, args, kwargs = launch
+        launch = (kernel, args, {**kwargs, "maxnreg": registers})
     _, signature, constexprs, attrs, options = specialized(launch)
     src = ASTSource(launch[0], signature, constexprs, attrs)
     return triton.compile(src, target=SM90, options=options.__dict__)

@@ -501,10 +501,7 @@ def test_decode_attention_register_cap(launches: list[Launch], tmp_path: Path) -
     assert all("maxnreg" not in launch[2] for launch in launches)
     used = []
     for cap, launch in zip((0, 128), launches, strict=True):
-        kernel, args, kwargs = launch
-        if cap:
-            kwargs = {**kwargs, "maxnreg": cap}
-        used.append(sm90.sass(sm90.compile_launch((kernel, args, kwargs)).asm["cubin"], tmp_path))
+        used.append(sm90.sass(sm90.compile_launch(launch, cap).asm["cubin"], tmp_path))
     assert used[0].registers > 128 >= used[1].registers, used
     with pytest.raises(ValueError, match="registers"):
         pd.paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:256],
@@ -543,10 +540,8 @@ def test_e4m3_decode_tiles_fit_four_programs_an_sm(
         pd.paged_decode(q, pool.k_layer(0), pool.v_layer(0), ints, ints, ints[:256],
                         _empty(256, c.num_heads, d), d**-0.5, p)  # fmt: skip
     held, stacks = [], []
-    for p, (kernel, args, kwargs) in zip((plan, other), launches, strict=True):
-        if p.registers:  # the launch passes the cap on CUDA tensors only
-            kwargs = {**kwargs, "maxnreg": p.registers}
-        out = sm90.compile_launch((kernel, args, kwargs))
+    for p, launch in zip((plan, other), launches, strict=True):
+        out = sm90.compile_launch(launch, p.registers)
         used = sm90.sass(out.asm["cubin"], tmp_path)
         held.append(used.blocks_per_sm(p.warps, out.metadata.shared))
         stacks.append(used.stack)

@@ -62,10 +62,8 @@ def measure(preset: str, kv_dtype: str, batch: int, variant: Variant, workdir: P
                             ints[:batch], out, d**-0.5, plan)  # fmt: skip
     finally:
         pd.widens = real_widens
-    kernel, args, kwargs = next(x for x in caught if x[0].fn.__name__ == "split_attend")
-    if plan.registers:  # the launch passes the plan's cap on CUDA tensors only
-        kwargs = {**kwargs, "maxnreg": plan.registers}
-    compiled = sm90.compile_launch((kernel, args, kwargs))
+    attend = next(launch for launch in caught if launch[0].fn.__name__ == "split_attend")
+    compiled = sm90.compile_launch(attend, plan.registers)
     s = sm90.sass(compiled.asm["cubin"], workdir)
     tile_tokens = plan.block_pages * pool.page_size
     return {
