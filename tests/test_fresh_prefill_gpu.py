@@ -46,7 +46,7 @@ def _reference(
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(32, 8, 128), (32, 4, 128), (32, 8, 64)])
 @pytest.mark.parametrize("lengths", [[1024], [300, 1, 77, 600], [2048]], ids=["1k", "mixed", "2k"])
-@pytest.mark.parametrize("tiles", [FreshTiles(), FreshTiles(64, 64, 4, 2)], ids=["default", "64"])
+@pytest.mark.parametrize("tiles", [FreshTiles(), FreshTiles(128, 64, 8, 2)], ids=["default", "128"])
 def test_matches_float64(
     heads: int, kv_heads: int, d: int, lengths: list[int], tiles: FreshTiles
 ) -> None:

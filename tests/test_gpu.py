@@ -99,9 +99,11 @@ def _kernel_runner(
     num_pages: int = 128,
     kv_heads: int = 2,
     graph_tokens: int = 0,
+    fresh: bool | None = None,
 ) -> ModelRunner:
     """``kv_heads`` 2: two query heads per KV head (CUDA-core decode); 1: four
-    (tensor-core decode). ``graph_tokens``: piecewise graphs' largest forward."""
+    (tensor-core decode). ``graph_tokens``: piecewise graphs' largest forward;
+    ``fresh``: ``fresh_prefill_graphs`` (None: auto, on with them)."""
     model = {**KERNEL_MODEL, "num_key_value_heads": kv_heads}
     mc = ModelConfig.from_dict(model, dtype=torch.bfloat16)
     cfg = EngineConfig(
@@ -114,6 +116,7 @@ def _kernel_runner(
         attention_backend=backend,
         cuda_graph_max_bs=graph_bs,
         cuda_graph_max_tokens=graph_tokens,
+        fresh_prefill_graphs=fresh,
     ).resolve(mc)
     assert cfg.attention_backend == backend
     return ModelRunner(cfg, mc)
@@ -135,12 +138,16 @@ def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
         # Decode of 4 rows: too big for graphs up to 2 (eager), a graph of 4 below.
         _kernel_runner("flashinfer", graph_bs=2, kv_heads=kv_heads),
         _kernel_runner("flashinfer", graph_bs=8, kv_heads=kv_heads),
-        # Every forward from the piecewise graphs, decode rows included.
+        # Every forward from the piecewise graphs, decode rows included; and
+        # with the default, fresh prompts' forwards as one graph (Triton's
+        # attention: checked against the reference only).
+        _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads, graph_tokens=256, fresh=False),
         _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads, graph_tokens=256),
     ]
     assert runners[0].graphs is None and runners[1].graphs is None
     assert runners[3].graphs is not None and runners[3].graphs.sizes == [1, 2, 4, 8]
     assert runners[1].pieces is None and runners[4].pieces is not None
+    assert runners[4].pieces.fresh_attn is None and runners[5].pieces.fresh_attn is not None
     ps = PAGE_SIZE
     steps, _ = mixed_steps(runners)
     for i, specs in enumerate(steps):

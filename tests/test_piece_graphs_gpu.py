@@ -38,7 +38,7 @@ def test_piece_graphs_equal_eager(case: str) -> None:
     arch, settings = CASES[case]
     runners = [
         small_runner(0, arch, cuda_graph_max_tokens=0, **settings),
-        small_runner(0, arch, cuda_graph_max_tokens=256, **settings),
+        small_runner(0, arch, cuda_graph_max_tokens=256, fresh_prefill_graphs=False, **settings),
     ]
     runner = runners[1]
     pieces = runner.pieces
@@ -100,10 +100,14 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
     weights (FlashInfer's attention: within 2%, greedy tokens of 16 rows or
     more agreeing on 90%); the same prompt twice the same to the bit; a
     batch with a cached prefix, and one past the largest bucket, take the
-    other paths. FP8 weights over e4m3 pages too (within 5%: the fused
-    prologue's rounding against the separate kernels')."""
-    fresh = small_runner(0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=True, **settings)
-    pieces = small_runner(0, arch, cuda_graph_max_tokens=128, **settings)
+    other paths. FP8 weights over e4m3 pages too, within 8%: one bf16
+    rounding apart in a layer's attention moves some activations and K/V
+    entries across an e4m3 step (6% of the value) in the next layers, which
+    a wrong mask or scale would pass by far more."""
+    fresh = small_runner(0, arch, cuda_graph_max_tokens=128, **settings)  # on by default
+    pieces = small_runner(
+        0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=False, **settings
+    )
     assert fresh.pieces is not None and fresh.pieces.fresh_attn is fresh.attn
     free = [r.pool.allocator.num_free for r in (fresh, pieces)]
     cases = [[100], [5, 60, 1], [64, 64], [100], [200]]
@@ -131,7 +135,7 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
                 r.pool.allocator.free(spec.page_table)
         got, ref = logits
         assert got.isfinite().all()
-        assert _rel(got, ref) < (5e-2 if settings else 2e-2), lens
+        assert _rel(got, ref) < (8e-2 if settings else 2e-2), lens
         if got.shape[0] >= 16:
             assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9, lens
         outs.append(got)

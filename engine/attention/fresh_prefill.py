@@ -39,15 +39,15 @@ from engine.layers import pdl
 class FreshTiles(NamedTuple):
     """Rows a program (``block_m``), keys a tile (``block_n``), warps, stages.
 
-    The default, not yet chosen by a measurement: compiled for sm_90 at head
-    sizes 128 and 64 it spills nothing, copies K and V 16 bytes at a time
-    (``cp.async``; ``tests/test_triton_sm90.py``) and issues fewer loop
-    instructions a key than 32-key tiles (docs/benchmarks.md, FP8 prefill;
-    ``bench_prefill_attention`` times the others)."""
+    The default is the fastest of the tiles ``bench_prefill_attention``
+    times on the H200 at 1024, 2048 and 4x256 prompt tokens (docs/benchmarks.md,
+    FP8 prefill); compiled for sm_90 at head sizes 128 and 64 it spills
+    nothing and copies K and V 16 bytes at a time (``cp.async``;
+    ``tests/test_triton_sm90.py``)."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 64
-    warps: int = 8
+    warps: int = 4
     stages: int = 2
 
 
