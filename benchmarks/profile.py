@@ -530,13 +530,22 @@ def run_loop(args: argparse.Namespace, argv: list[str] | None) -> None:
 
 
 def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -> dict[str, Any]:
+    """With ``--decode-rows``, the forward a serving loop makes while streams
+    decode: that many rows of one new token over ``--decode-context`` cached
+    tokens (pages of the pool as they are), first, then the prompt."""
     runner = engine.runner
-    pages = runner.pool.allocator.alloc(-(-prompt_len // runner.pool.page_size))
-    if pages is None:
-        raise SystemExit(f"KV pool too small for {prompt_len} tokens; raise --kv-cache-memory-gb")
+    ps, alloc = runner.pool.page_size, runner.pool.allocator
+    ctx = args.decode_context
+    tables = [alloc.alloc(-(-(ctx + 1) // ps)) for _ in range(args.decode_rows)]
+    tables.append(alloc.alloc(-(-prompt_len // ps)))
+    if any(t is None for t in tables):
+        raise SystemExit("KV pool too small for the forward; raise --kv-cache-memory-gb")
     vocab = runner.model_config.vocab_size
-    specs = [ExtendSpec([(7 * i + 3) % vocab for i in range(prompt_len)], 0, pages)]
-    row: dict[str, Any] = {"prompt_len": prompt_len}
+    specs = [ExtendSpec([(5 * i + 1) % vocab], ctx, t) for i, t in enumerate(tables[:-1])]
+    specs.append(ExtendSpec([(7 * i + 3) % vocab for i in range(prompt_len)], 0, tables[-1]))
+    row: dict[str, Any] = {"prompt_len": prompt_len, "decode_rows": args.decode_rows}
+    if args.decode_rows:
+        row["decode_context"] = ctx
     row.update(profile_eager(runner, specs))
     # As a step runs it, the last token sampled; the forward's events take in
     # the device's idle time waiting for the host.
@@ -546,7 +555,8 @@ def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -
     row["kernel_ms"] = busy
     row["device_busy"] = busy / row["forward_gpu_ms"]
     row["host_hotspots"] = host_hotspots(runner, specs, args.steps)
-    runner.pool.allocator.free(pages)
+    for t in tables:
+        alloc.free(t)
     return row
 
 
@@ -583,6 +593,10 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
     rows = [profile_prefill(engine, n, args) for n in args.prompt_lens]
     cats = [*CATEGORIES, "other"]
     print(f"model={args.model} quantization={cfg.quantization} attention={cfg.attention_backend}")
+    if args.decode_rows:
+        print(
+            f"with {args.decode_rows} decoding rows over {args.decode_context} cached tokens each"
+        )
     print(
         f"{'tokens':>6} {'kernels':>7} "
         + " ".join(f"{c:>16}" for c in cats)
@@ -668,6 +682,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prefill.add_argument(
         "--steps", type=int, default=10, help="timed forwards (default: %(default)s)"
+    )
+    prefill.add_argument(
+        "--decode-rows",
+        type=int,
+        default=0,
+        help="decoding rows in the same forward, before the prompt (default: %(default)s)",
+    )
+    prefill.add_argument(
+        "--decode-context",
+        type=int,
+        default=1024,
+        help="cached tokens of each decoding row (default: %(default)s)",
     )
     _engine_arguments(prefill, 20.0, None)
     for p in (step, prefill):
