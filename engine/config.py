@@ -120,13 +120,12 @@ class EngineConfig:
         help="with flashinfer attention and piecewise graphs: forwards of prompts "
         "without a cached prefix run as one CUDA graph per token count, attention "
         "included, on a Triton kernel that needs no plan from the host (default: auto, "
-        "on with piecewise graphs)",
+        "off)",
         group=MODEL_GROUP,
     )
-    """auto: on wherever the piecewise graphs are: a fresh prompt's forward
-    then costs the host a few copies and one replay, where the piecewise path
-    plans FlashInfer's prefill and launches each layer's attention
-    (docs/benchmarks.md, FP8 prefill)."""
+    """auto: off. Faster than the piecewise graphs on a 1024-token FP8 prompt
+    (docs/benchmarks.md, FP8 prefill), but not yet run in the serving
+    workers on a GPU (``benchmarks.gpu_smoke``)."""
     fuse_rope_kv_write: bool | None = setting(
         None,
         help="with flashinfer attention, one Triton kernel per layer for the q/k norms, "
@@ -373,9 +372,7 @@ class EngineConfig:
             raise ValueError("CUDA graphs need attention_backend 'flashinfer'")
         budget = self.max_num_batched_tokens or (CUDA_TOKEN_BUDGET if on_cuda else CPU_TOKEN_BUDGET)
         graph_tokens = min(graph_tokens, budget)  # no forward is larger
-        fresh = self.fresh_prefill_graphs
-        if fresh is None:
-            fresh = bool(graph_tokens)
+        fresh = bool(self.fresh_prefill_graphs)
         if fresh and not graph_tokens:
             raise ValueError(
                 "fresh_prefill_graphs needs piecewise CUDA graphs (flashinfer attention, "

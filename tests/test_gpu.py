@@ -103,7 +103,7 @@ def _kernel_runner(
 ) -> ModelRunner:
     """``kv_heads`` 2: two query heads per KV head (CUDA-core decode); 1: four
     (tensor-core decode). ``graph_tokens``: piecewise graphs' largest forward;
-    ``fresh``: ``fresh_prefill_graphs`` (None: auto, on with them)."""
+    ``fresh``: ``fresh_prefill_graphs`` (None: auto)."""
     model = {**KERNEL_MODEL, "num_key_value_heads": kv_heads}
     mc = ModelConfig.from_dict(model, dtype=torch.bfloat16)
     cfg = EngineConfig(
@@ -139,10 +139,10 @@ def test_flashinfer_matches_torch_native(kv_heads: int) -> None:
         _kernel_runner("flashinfer", graph_bs=2, kv_heads=kv_heads),
         _kernel_runner("flashinfer", graph_bs=8, kv_heads=kv_heads),
         # Every forward from the piecewise graphs, decode rows included; and
-        # with the default, fresh prompts' forwards as one graph (Triton's
-        # attention: checked against the reference only).
+        # with fresh prompts' forwards as one graph (Triton's attention:
+        # checked against the reference only).
         _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads, graph_tokens=256, fresh=False),
-        _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads, graph_tokens=256),
+        _kernel_runner("flashinfer", graph_bs=0, kv_heads=kv_heads, graph_tokens=256, fresh=True),
     ]
     assert runners[0].graphs is None and runners[1].graphs is None
     assert runners[3].graphs is not None and runners[3].graphs.sizes == [1, 2, 4, 8]

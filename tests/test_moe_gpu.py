@@ -124,7 +124,7 @@ def _runner(
 ) -> ModelRunner:
     """``graph_tokens``: piecewise graphs' largest forward (0, the default:
     every forward but the decode graphs' eager, so ``reference_experts`` applies);
-    ``fresh``: ``fresh_prefill_graphs`` (None: auto, on with them)."""
+    ``fresh``: ``fresh_prefill_graphs`` (None: auto)."""
     mc = ModelConfig.from_dict(MOE_MODEL, dtype=torch.bfloat16)
     cfg = EngineConfig(
         model="moe-kernel-test",
@@ -203,13 +203,13 @@ def test_moe_piece_graphs_equal_eager() -> None:
     """Prefill, a chunk beside decoding rows and decode replayed from the
     piecewise graphs (the experts' grouped kernels captured at each bucket's
     token count) against the eager forward of the same weights; and with
-    the default, a fresh prompt's forward as one graph on Triton's attention
+    ``fresh_prefill_graphs``, a fresh prompt's forward as one graph on Triton's attention
     (within 2% of the eager logits, as FlashInfer's and Triton's attention
     sum in other orders)."""
     runners = [
         _runner(graph_bs=0),
         _runner(graph_bs=0, graph_tokens=512, fresh=False),
-        _runner(graph_bs=0, graph_tokens=512),
+        _runner(graph_bs=0, graph_tokens=512, fresh=True),
     ]
     assert runners[0].pieces is None and runners[1].pieces is not None
     assert runners[2].pieces is not None and runners[2].pieces.fresh_attn is not None

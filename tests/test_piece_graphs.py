@@ -158,12 +158,11 @@ def test_piece_graph_settings() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         EngineConfig(cuda_graph_max_tokens=-1)
     assert resolved(cuda_graph_max_tokens=0).cuda_graph_max_tokens == 0
-    # Whole-forward graphs of fresh prompts: on wherever the piecewise graphs
-    # are (off here, with none), and they need them.
+    # Whole-forward graphs of fresh prompts: off by default, and they need the
+    # piecewise graphs.
     assert resolved().fresh_prefill_graphs is False
     fi = {"attention_backend": "flashinfer"}
-    assert resolved(**fi).fresh_prefill_graphs is True
-    assert resolved(**fi, fresh_prefill_graphs=False).fresh_prefill_graphs is False
-    assert resolved(**fi, cuda_graph_max_tokens=0).fresh_prefill_graphs is False
+    assert resolved(**fi).fresh_prefill_graphs is False
+    assert resolved(**fi, fresh_prefill_graphs=True).fresh_prefill_graphs is True
     with pytest.raises(ValueError, match="fresh_prefill_graphs"):
         resolved(fresh_prefill_graphs=True)

@@ -100,14 +100,15 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
     weights (FlashInfer's attention: within 2%, greedy tokens of 16 rows or
     more agreeing on 90%); the same prompt twice the same to the bit; a
     batch with a cached prefix, and one past the largest bucket, take the
-    other paths. FP8 weights over e4m3 pages too, within 8%: one bf16
-    rounding apart in a layer's attention moves some activations and K/V
-    entries across an e4m3 step (6% of the value) in the next layers, which
-    a wrong mask or scale would pass by far more."""
-    fresh = small_runner(0, arch, cuda_graph_max_tokens=128, **settings)  # on by default
-    pieces = small_runner(
-        0, arch, cuda_graph_max_tokens=128, fresh_prefill_graphs=False, **settings
-    )
+    other paths. The piecewise side runs the separate q/k prologue kernels,
+    as the fresh path does, so attention is all that differs. FP8 weights
+    over e4m3 pages too, within 8% and agreeing on 85%: the sums' other
+    order moves some activations across a step of their per-token e4m3
+    rounding (6% of the value) in the next products; a wrong mask or scale
+    moves the logits by far more."""
+    one = {"cuda_graph_max_tokens": 128, "fuse_rope_kv_write": False, **settings}
+    fresh = small_runner(0, arch, fresh_prefill_graphs=True, **one)
+    pieces = small_runner(0, arch, **one)
     assert fresh.pieces is not None and fresh.pieces.fresh_attn is fresh.attn
     free = [r.pool.allocator.num_free for r in (fresh, pieces)]
     cases = [[100], [5, 60, 1], [64, 64], [100], [200]]
@@ -137,7 +138,8 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
         assert got.isfinite().all()
         assert _rel(got, ref) < (8e-2 if settings else 2e-2), lens
         if got.shape[0] >= 16:
-            assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9, lens
+            agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            assert agree > (0.85 if settings else 0.9), lens
         outs.append(got)
     assert torch.equal(outs[0], outs[3])
     assert [r.pool.allocator.num_free for r in (fresh, pieces)] == free
