@@ -36,6 +36,7 @@ TILES = {
     "triton-128x64-s3": FreshTiles(128, 64, 8, 3),
     "triton-128x128": FreshTiles(128, 128, 8, 2),
     "triton-128x32": FreshTiles(128, 32, 8, 2),
+    "triton-64x64": FreshTiles(64, 64, 4, 2),
     "triton-64x64-s3": FreshTiles(64, 64, 4, 3),
     "triton-64x128": FreshTiles(64, 128, 4, 2),
     "triton-64x32": FreshTiles(64, 32, 4, 2),
