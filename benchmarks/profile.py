@@ -28,8 +28,11 @@ greedy requests of ``--context-len``-token prompts, once they all decode:
 - a cProfile of the host side of the loop (``--trace-dir``: text files, and
   chrome traces of the first two batch sizes).
 
-``prefill``: one forward of a single ``--prompt-lens`` prompt, for each length:
-its kernels and their GPU time by category (as ``step``), the device's
+``prefill``: one forward of a single ``--prompt-lens`` prompt, for each length
+(with ``--decode-rows``, beside that many decoding rows, as a serving loop's
+steps are while streams decode): its kernels and their GPU time by category
+(as ``step``; and the kernels of the forward as the engine runs it, from its
+graphs where captured), the device's
 elapsed time over the forward and the share of it spent in kernels (below
 100%: the device waited for the host), timed as ``step`` times a step (the
 last token sampled) the host's time to queue it and the wall time, one such
@@ -175,12 +178,16 @@ def decode_batch(runner: ModelRunner, batch_size: int, context_len: int) -> tupl
     return specs, tables
 
 
-def profile_eager(runner: ModelRunner, specs: list) -> dict[str, Any]:
-    """Kernels and GPU time by category of one eager forward (no CUDA graph)."""
+def profile_eager(runner: ModelRunner, specs: list, as_run: bool = False) -> dict[str, Any]:
+    """Kernels and GPU time by category of one eager forward (no CUDA graph);
+    ``as_run``: of the forward as the engine runs it (``forward_logits``:
+    the graphs where captured, whose kernels the trace lists one by one)."""
     from torch.profiler import ProfilerActivity, profile
 
     def eager() -> torch.Tensor:
         batch = build_forward_batch(specs, runner.pool.page_size, runner.device)
+        if as_run:
+            return runner.forward_logits(batch)
         runner.attn.begin_forward(batch)
         hidden = runner.model(batch.input_ids, batch.positions, runner.attn)
         return runner.model.compute_logits(hidden[batch.logits_indices])
@@ -324,6 +331,7 @@ def profile_step(engine: Engine, b: int, args: argparse.Namespace) -> dict[str, 
     specs, tables = decode_batch(runner, b, args.context_len)
     row: dict[str, Any] = {"batch_size": b, "context_len": args.context_len}
     row.update(profile_eager(runner, specs))
+    row["as_run"] = profile_eager(runner, specs, as_run=True)
     row.update(time_steps(runner, specs, args.steps))
     row["sampling_ms_by_params"] = time_sampling(runner, b)
     row["graph"] = runner.graphs is not None and runner.graphs.can_run(
@@ -547,6 +555,7 @@ def profile_prefill(engine: Engine, prompt_len: int, args: argparse.Namespace) -
     if args.decode_rows:
         row["decode_context"] = ctx
     row.update(profile_eager(runner, specs))
+    row["as_run"] = profile_eager(runner, specs, as_run=True)
     # As a step runs it, the last token sampled; the forward's events take in
     # the device's idle time waiting for the host.
     row.update(time_steps(runner, specs, args.steps))
@@ -610,9 +619,13 @@ def run_prefill(args: argparse.Namespace, argv: list[str] | None) -> None:
             f"{r['device_busy']:>5.0%}"
         )
     for r in rows:
-        print(f"kernels, {r['prompt_len']} tokens: GPU ms, calls, category")
-        for k in r["top_kernels"][:12]:
-            print(f"  {k['ms']:>8.3f} {k['calls']:>5}  {k['category']:<16} {k['kernel']}")
+        for what, table in (("eager", r), ("as run", r["as_run"])):
+            print(
+                f"kernels, {r['prompt_len']} tokens, {what}: {table['kernels']} kernels, "
+                f"GPU ms, calls, category"
+            )
+            for k in table["top_kernels"][:12]:
+                print(f"  {k['ms']:>8.3f} {k['calls']:>5}  {k['category']:<16} {k['kernel']}")
     for r in rows:
         print(
             f"traced step, {r['prompt_len']} tokens: window "
