@@ -10,9 +10,10 @@ and on CUDA a fifth:
   c  ``python -m decode_server --role both --model M`` behind ``python -m gateway --decode URL``
   d  ``python -m prefill_server --model M`` and ``python -m decode_server --model M`` on one
      GPU behind ``python -m gateway --prefill URL --decode URL``
-  e  c's worker with every optional kernel on (``TUNED_FLAGS``: FP8 weights, e4m3 KV
-     pages, the fused layer prologue, the Triton decode attention), so a path
-     that only runs with those flags is served end to end too
+  e  c's worker with every optional kernel on (``TUNED_FLAGS``: FP8 weights and
+     LM head, e4m3 KV pages, the fused layer prologue, the Triton decode
+     attention, fresh prompts' whole-forward graphs), so a path that only runs
+     with those flags is served end to end too
 
 Each gets a chat completion, the same streamed, a ``json_schema`` request and
 ``GET /metrics``. In c and d the decode worker is then SIGKILLed (front and
@@ -87,10 +88,11 @@ def wait_ok(proc: Proc, path: str = "/health", timeout_s: float = START_TIMEOUT_
 # -- deployments -------------------------------------------------------------------
 
 TUNED_FLAGS = [
-    "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3",
-    "--fuse-rope-kv-write", "--decode-kernel", "triton",
+    "--quantization", "fp8", "--quantize-lm-head", "--kv-cache-dtype", "fp8_e4m3",
+    "--fuse-rope-kv-write", "--decode-kernel", "triton", "--fresh-prefill-graphs",
 ]  # fmt: skip
-"""Deployment e's worker flags: the engine's optional kernels, all on."""
+"""Deployment e's worker flags: the engine's optional kernels, all on (every
+on/off kernel setting of ``KERNEL_SETTINGS`` among them)."""
 CUDA_ONLY = "e"
 """Deployments whose flags need CUDA (FlashInfer attention)."""
 
