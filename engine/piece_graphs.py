@@ -25,9 +25,10 @@ a forward's own K/V without a plan, so the whole forward, attention
 included, is one graph per bucket, and the host's work for it is a few
 copies into its inputs. No real row attends a padding row (they come after
 every real row, and a row attends only rows of its prompt up to itself);
-padding rows keep whatever positions and slots the buffers held (stale
-positions at worst make them attend real rows, and their outputs are never
-read) and write their K/V into the scratch page 0.
+padding rows are given position 0, so each is a prompt of its own row and
+attends that row alone (stale positions would make them attend up to a
+bucket of rows for outputs never read), and write their K/V into the
+scratch page 0 at whatever slots the buffer held.
 
 Memory: the pieces of every bucket share one pool, captured in the order they
 replay. A piece's outputs are released once the next piece is captured, so
@@ -240,6 +241,7 @@ class PieceGraphs:
         positions[:n].copy_(batch.positions, non_blocking=True)
         pages[:n].copy_(batch.write_pages, non_blocking=True)
         slots[:n].copy_(batch.write_slots, non_blocking=True)
+        positions[n:size].zero_()  # the padding attends itself alone
         pages[n:size].zero_()  # the padding's K/V into the scratch page
         bucket = self._buckets.get(size)
         if bucket is None or bucket.fresh is None:  # not captured: eagerly

@@ -28,7 +28,7 @@ from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import local_heads
-from engine.piece_graphs import PieceGraphs
+from engine.piece_graphs import PieceGraphs, bucket_sizes
 from engine.sampling import SamplingBatch, sample
 from engine.weights import init_dummy_weights, iter_safetensors
 from protocol.sampling import SamplingParams
@@ -347,6 +347,10 @@ class ModelRunner:
             graphs += peak_bytes(self.device, lambda: forward([1] * graph_rows, False))
         if graph_tokens:
             graphs += peak_bytes(self.device, lambda: forward([graph_tokens], False))
+        if graph_tokens and config.fresh_prefill_graphs:
+            # Every bucket's whole-forward graph keeps its output in the pool.
+            rows = sum(bucket_sizes(graph_tokens))
+            graphs += rows * self.model_config.hidden_size * self.model_config.dtype.itemsize
         return activations, graphs
 
     @property

@@ -86,7 +86,7 @@ def test_fresh_prompts_whole_forward_equals_the_forward(
     padding and plan-free attention its graphs capture) against the model's
     own forward: the same hidden states on the real rows, the same K/V in
     the prompts' pages, and nothing written elsewhere but the scratch page
-    (the padding's, whose positions and slots are a larger forward's). A
+    (the padding's, whose slots are a larger forward's). A
     batch with a cached prefix is not taken. The built-in tiny Llama (also
     over e4m3 pages, attended as they hold K and V), and Qwen3 (q/k norms)
     and Qwen3-MoE (sparse layers in the graph)."""
@@ -107,8 +107,8 @@ def test_fresh_prompts_whole_forward_equals_the_forward(
     assert not PieceGraphs(runner.model, torch.device("cpu"), 96, capture=False).can_run_fresh(
         batch
     )
-    # A full bucket first, so the padding rows below hold its stale positions
-    # and slots.
+    # A full bucket first, so the padding rows below hold its stale slots
+    # (their positions are reset to 0).
     stale = alloc.alloc(96 // ps)
     assert stale is not None
     pieces.run_fresh(build_forward_batch([ExtendSpec([9] * 96, 0, stale)], ps, "cpu"))
@@ -118,6 +118,9 @@ def test_fresh_prompts_whole_forward_equals_the_forward(
     want_kv = kv.clone()
     kv.zero_()
     got = pieces.run_fresh(batch)  # no begin_forward: nothing planned
+    n = sum(lens)
+    size = next(s for s in pieces.sizes if s >= n)
+    assert not pieces.fresh_index.positions[n:size].any()  # the padding attends itself
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     used = torch.tensor([p for spec in specs for p in spec.page_table])
     # e4m3 pages: a product's last bit may move a value to the next e4m3 one.

@@ -624,21 +624,26 @@ def test_kernel_sass_reads_what_the_fp8_activation_kernels_issue(tmp_path: Path)
 @pytest.mark.parametrize(
     ("preset", "e4m3"),
     [("llama-3.1-8b", False), ("llama-3.2-1b", False), ("qwen3-30b-a3b", False),
-     ("llama-3.1-8b", True)],
+     ("llama-3.1-8b", True), ("head-256", False)],
 )  # fmt: skip
 def test_fresh_prefill_compiles_to_tensor_cores(
     preset: str, e4m3: bool, launches: list[Launch], tmp_path: Path
 ) -> None:
     """The plan-free causal prefill (``engine.attention.fresh_prefill``) at each
-    preset's heads (head_dim 128 and 64), bf16 q, k and v as views into the
+    preset's heads (head_dim 128 and 64; and 256, the largest FlashInfer's
+    kernels take, at 16 query and 8 KV heads), bf16 q, k and v as views into the
     QKV output, 1024 rows (and K and V rounded as e4m3 pages hold them):
     it fits the SM's shared memory, spills nothing and
     runs its products on the tensor cores in its key loop, with K and V
     copied 16 bytes at a time (the row strides specialized)."""
     from engine.attention import fresh_prefill as fp
 
-    c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
-    n, h, kv, d = 1024, c.num_heads, c.num_kv_heads, c.head_dim
+    if preset == "head-256":
+        h, kv, d = 16, 8, 256
+    else:
+        c = ModelConfig.from_dict(PRESETS[preset], dtype=torch.bfloat16)
+        h, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+    n = 1024
     qkv = _empty(n, h + 2 * kv, d)
     q, k, v = qkv[:, :h], qkv[:, h : h + kv], qkv[:, h + kv :]
     positions = torch.zeros(n, dtype=torch.int64)
