@@ -52,6 +52,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.common import KERNEL_SETTINGS
 from engine.presets import PRESETS
 from harness.host import git_commit
 from harness.procs import REPO, Proc, free_port, running
@@ -87,12 +88,24 @@ def wait_ok(proc: Proc, path: str = "/health", timeout_s: float = START_TIMEOUT_
 
 # -- deployments -------------------------------------------------------------------
 
+
+def _switches() -> list[str]:
+    """The flags of every on/off kernel setting (``KERNEL_SETTINGS``), on."""
+    from dataclasses import fields
+
+    from engine.config import EngineConfig
+
+    types = {f.name: str(f.type) for f in fields(EngineConfig)}
+    return ["--" + n.replace("_", "-") for n in KERNEL_SETTINGS if types[n].startswith("bool")]
+
+
 TUNED_FLAGS = [
-    "--quantization", "fp8", "--quantize-lm-head", "--kv-cache-dtype", "fp8_e4m3",
-    "--fuse-rope-kv-write", "--decode-kernel", "triton", "--fresh-prefill-graphs",
+    "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--decode-kernel", "triton",
+    *_switches(),
 ]  # fmt: skip
-"""Deployment e's worker flags: the engine's optional kernels, all on (every
-on/off kernel setting of ``KERNEL_SETTINGS`` among them)."""
+"""Deployment e's worker flags: the engine's optional kernels, all on (the
+LM head in FP8, the fused prologue, fresh prompts' whole-forward graphs:
+every on/off kernel setting, so a new one is served here too)."""
 CUDA_ONLY = "e"
 """Deployments whose flags need CUDA (FlashInfer attention)."""
 

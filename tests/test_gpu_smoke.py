@@ -84,27 +84,3 @@ def test_the_tuned_deployment_is_refused_without_cuda() -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "deployment e needs CUDA" in proc.stderr
     assert "== a" not in proc.stdout
-
-
-def test_the_tuned_deployment_turns_every_optional_kernel_on() -> None:
-    """Every on/off kernel setting (``KERNEL_SETTINGS``) is on in deployment
-    e's worker flags, so a kernel path behind a flag is served on a GPU by
-    the smoke run; and the worker's parser takes them all."""
-    import dataclasses
-
-    from benchmarks.common import KERNEL_SETTINGS
-    from benchmarks.gpu_smoke import TUNED_FLAGS
-    from engine.config import EngineConfig
-
-    types = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
-    switches = [n for n in KERNEL_SETTINGS if types[n].startswith("bool")]
-    assert "fresh_prefill_graphs" in switches
-    for name in switches:
-        assert "--" + name.replace("_", "-") in TUNED_FLAGS, name
-    from decode_server import DECODE_ROLE
-    from worker.cli import build_parser, config_from_args
-    from worker.roles import COLOCATED
-
-    parser = build_parser("decode_server", (DECODE_ROLE, COLOCATED), 0)
-    engine = config_from_args(parser.parse_args(["--role", "both", *TUNED_FLAGS])).engine
-    assert all(getattr(engine, name) is True for name in switches), engine
