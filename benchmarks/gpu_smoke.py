@@ -91,12 +91,15 @@ def wait_ok(proc: Proc, path: str = "/health", timeout_s: float = START_TIMEOUT_
 
 def _switches() -> list[str]:
     """The flags of every on/off kernel setting (``KERNEL_SETTINGS``), on."""
-    from dataclasses import fields
-
     from engine.config import EngineConfig
+    from protocol.settings import flags
 
-    types = {f.name: str(f.type) for f in fields(EngineConfig)}
-    return ["--" + n.replace("_", "-") for n in KERNEL_SETTINGS if types[n].startswith("bool")]
+    return [
+        arg
+        for f in flags(EngineConfig)
+        if f.name in KERNEL_SETTINGS and f.kind is bool
+        for arg in f.argv(True)
+    ]
 
 
 TUNED_FLAGS = [
