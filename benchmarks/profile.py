@@ -184,7 +184,7 @@ def profile_eager(runner: ModelRunner, specs: list, as_run: bool = False) -> dic
     the graphs where captured, whose kernels the trace lists one by one)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def eager() -> torch.Tensor:
+    def forward() -> torch.Tensor:
         batch = build_forward_batch(specs, runner.pool.page_size, runner.device)
         if as_run:
             return runner.forward_logits(batch)
@@ -193,10 +193,10 @@ def profile_eager(runner: ModelRunner, specs: list, as_run: bool = False) -> dic
         return runner.model.compute_logits(hidden[batch.logits_indices])
 
     with torch.inference_mode():
-        eager()
+        forward()
         torch.cuda.synchronize(runner.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            eager()
+            forward()
             torch.cuda.synchronize(runner.device)
     by_cat: dict[str, float] = defaultdict(float)
     by_name: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
@@ -331,7 +331,6 @@ def profile_step(engine: Engine, b: int, args: argparse.Namespace) -> dict[str, 
     specs, tables = decode_batch(runner, b, args.context_len)
     row: dict[str, Any] = {"batch_size": b, "context_len": args.context_len}
     row.update(profile_eager(runner, specs))
-    row["as_run"] = profile_eager(runner, specs, as_run=True)
     row.update(time_steps(runner, specs, args.steps))
     row["sampling_ms_by_params"] = time_sampling(runner, b)
     row["graph"] = runner.graphs is not None and runner.graphs.can_run(
