@@ -59,3 +59,23 @@ def test_the_decode_attentions_widened_v_follows_the_same_device_rule(
     monkeypatch.setattr(torch.version, "cuda", None)
     assert not paged_decode.widens(cuda)
     assert not paged_decode.widens(torch.device("cpu"))
+
+
+def test_prefetch_spans_stay_within_the_budget_rows_and_lines() -> None:
+    """``prefetch_bytes``: the same first bytes of every row's span, whole L2
+    lines, never past the span, all rows together within the budget; none
+    where a row's share is under a line, and none by default."""
+    line = pdl.PREFETCH_LINE
+    assert pdl.PREFETCH_BYTES == 0 and pdl.prefetch_bytes(96 * 64, 4096) == 0
+    for rows, span, budget in [(96 * 64, 4096, 16 << 20), (224 * 128, 4096, 16 << 20),
+                               (64 * 64, 4096, 16 << 20), (6144, 8192, 8 << 20),
+                               (128 * 64, 7168, 1 << 30), (2004 * 64, 4096, 16 << 20)]:  # fmt: skip
+        got = pdl.prefetch_bytes(rows, span, budget)
+        assert got % line == 0 and 0 <= got <= span
+        assert rows * got <= budget
+        if got == 0:
+            assert budget // rows < line
+        else:  # the largest whole-line share: one line more would pass a bound
+            assert got == span or rows * (got + line) > budget
+    assert pdl.prefetch_bytes(64 * 64, 4096, 16 << 20) == 4096  # o: the whole weight
+    assert pdl.prefetch_bytes(96 * 64, 4096, 16 << 20) == 2688  # qkv: its first 2688 of 4096

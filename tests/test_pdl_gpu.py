@@ -86,16 +86,25 @@ def _both_ways(monkeypatch: pytest.MonkeyPatch, run: Callable[[], torch.Tensor])
         assert torch.equal(out, ref)
 
 
+PREFETCH = [0, 16 << 20]
+"""``pdl.PREFETCH_BYTES``: none, and whole weights' worth (each kernel's
+weight prefetched into L2 before its wait)."""
+
+
+@pytest.mark.parametrize("prefetch", PREFETCH)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_bf16_products_chained(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_products_chained(rows: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_pdl()
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", prefetch)
     ws = _weights(HIDDEN, HIDDEN, LINKS, rows)
     x = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
     _both_ways(monkeypatch, lambda: _bf16_chain(x, ws))
 
 
-def test_fp8_products_chained(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("prefetch", PREFETCH)
+def test_fp8_products_chained(prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_pdl()
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", prefetch)
     ws = [fp8.quantize_rows(w) for w in _weights(HIDDEN, HIDDEN, LINKS, 7)]
     x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     _both_ways(monkeypatch, lambda: _fp8_chain(x, ws))

@@ -431,13 +431,63 @@ def test_every_decode_kernel_with_programmatic_dependent_launch(
         ptx = ptx_sm90(launch)
         body = ptx[ptx.index(".entry") :]
         assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" in body, name
-        # Nothing is read before the wait.
+        # Nothing is read before the wait, and by default nothing prefetched.
         assert body.index("griddepcontrol.wait") < body.find("ld.global") % len(body), name
+        assert "prefetch" not in body, name
         names.add(name)
     expected = {"gemv", "silu_gemv", "skinny", "fp8_skinny", "route_kernel",
                 "gemv_gate_up_kernel", "gemv_down_kernel", "align_kernel", "split_attend", "merge"}  # fmt: skip
     assert expected <= names, expected - names
     assert len(names) >= 15
+
+
+def test_products_prefetch_their_weight_before_the_wait(
+    monkeypatch: pytest.MonkeyPatch, launches: list[Launch]
+) -> None:
+    """With ``pdl.PREFETCH_BYTES`` set, the one-row products (bf16 and FP8:
+    plain, gated, split over K on deferred rows) ask L2 for their weight rows'
+    first bytes (one bulk prefetch a row, two for the gated gate and up rows)
+    before the wait, and still read nothing before it."""
+    from engine.layers import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", 16 << 20)
+    n, k = LLAMA["qkv"]
+    t = gemv.tiles(n, k)
+    assert t is not None
+    gemv.run_gemv(_empty(1, k), _empty(n, k), None, t)
+    n, k = LLAMA["down"]
+    t = gemv.tiles(n, k)
+    assert t is not None
+    gemv.run_silu_gemv(_empty(1, 2 * k), _empty(n, k), t)
+    rows = Quantized(
+        _empty(1, 4096, dtype=fp8.E4M3), _empty(1, dtype=torch.float32), torch.bfloat16
+    )
+    n, k = LLAMA["qkv"]
+    q = _empty(n, k, dtype=fp8.E4M3)
+    f = fp8_skinny.fits(rows, q)
+    assert f is not None
+    fp8_skinny.run(rows, q, _empty(n, dtype=torch.float32), None, f)
+    n, k = LLAMA["gate_up"]
+    w13 = _empty(n, k, dtype=fp8.E4M3)
+    g = fp8_skinny.gated_fits(rows, w13)
+    assert g is not None
+    h = fp8_skinny.gated(rows, w13, _empty(n, dtype=torch.float32), g)
+    n, k = LLAMA["down"]
+    w2 = _empty(n, k, dtype=fp8.E4M3)
+    d = fp8_skinny.fits(h, w2)
+    assert d is not None and d.split_k > 1
+    fp8_skinny.run(h, w2, _empty(n, dtype=torch.float32), None, d)
+    assert len(launches) == 5
+    for launch, bulk in zip(launches, [1, 1, 1, 2, 1]):
+        name, kwargs = launch[0].fn.__name__, launch[2]
+        assert kwargs["PREFETCH"] > 0, name
+        body = ptx_sm90(launch)
+        body = body[body.index(".entry") :]
+        wait = body.index("griddepcontrol.wait")
+        assert body[:wait].count("cp.async.bulk.prefetch.L2.global") == bulk, name
+        assert "cp.async.bulk.prefetch" not in body[wait:], name
+        assert wait < body.find("ld.global") % len(body), name
 
 
 def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:

@@ -126,6 +126,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     prologue = pdl.prologue()
+    l2_prefetch = pdl.l2_prefetch()
 
     @triton.jit
     def fp8_skinny(x, x_scale, w, w_scale, bias, out, part, count, maxes, M, N, stride_x,
@@ -135,12 +136,18 @@ def _kernel() -> Any:
                    PRE_QUANTIZED: tl.constexpr, GATED: tl.constexpr = False,
                    DEFERRED: tl.constexpr = False, PARTS: tl.constexpr = 1,
                    PARTS_BLOCK: tl.constexpr = 1, PRECISE: tl.constexpr = False,
-                   ONE_ROW: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
-        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
-            prologue()
+                   ONE_ROW: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                   THREADS: tl.constexpr = 128, PDL: tl.constexpr = False):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PREFETCH > 0:  # with PDL only (pdl.prefetch_bytes): the weight, before the wait
+            first = (w + pid_k * (K // SPLIT_K)).to(tl.int64) + pid_n.to(tl.int64) * BLOCK_N * K
+            l2_prefetch(first, K, PREFETCH, BLOCK_N, THREADS)
+            if GATED:  # the up rows of the same columns
+                l2_prefetch(first + N.to(tl.int64) * K, K, PREFETCH, BLOCK_N, THREADS)
+        if PDL:  # engine.layers.pdl; a constant: nothing at all when off
+            prologue()
         ms = tl.arange(0, BLOCK_M)
         m_ok = ms < M
         kk = tl.arange(0, BLOCK_K)
@@ -350,6 +357,9 @@ def _launch(
     parts, counts = scratch_of(rows.device) if t.split_k > 1 else (out, out)
     maxes = gated_maxes if gated_maxes is not None else x.maxes if deferred else scale
     n_parts = maxes.shape[1] if deferred else 1
+    launch = pdl.launch_options(rows.device)
+    rows_per_program = t.block_n * (2 if gated_maxes is not None else 1)
+    prefetch = pdl.prefetch_bytes(n // t.block_n * t.split_k * rows_per_program, k // t.split_k)
     _kernel()[(n // t.block_n, t.split_k)](
         rows, x_scale, q, scale, scale if bias is None else bias, out, parts, counts, maxes, m,
         n, rows.stride(0), k, FP8_MAX=E4M3_MAX, SCALE_FLOOR=SCALE_FLOOR,
@@ -358,5 +368,6 @@ def _launch(
         GATED=gated_maxes is not None, DEFERRED=deferred, ONE_ROW=deferred and m == 1,
         PARTS=n_parts,
         PARTS_BLOCK=1 << (n_parts - 1).bit_length(),
-        num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(rows.device),
+        PREFETCH=prefetch if launch["PDL"] else 0, THREADS=32 * t.warps,
+        num_warps=t.warps, num_stages=t.stages, **launch,
     )  # fmt: skip

@@ -58,12 +58,16 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     prologue = pdl.prologue()
+    l2_prefetch = pdl.l2_prefetch()
 
     @triton.jit
-    def gemv(x_ptr, w_ptr, b_ptr, out_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    def gemv(x_ptr, w_ptr, b_ptr, out_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = 0, THREADS: tl.constexpr = 128, PDL: tl.constexpr = False):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PREFETCH > 0:  # with PDL only (pdl.prefetch_bytes): the weight, before the wait
+            first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
+            l2_prefetch(first, K * 2, PREFETCH, BLOCK_N, THREADS)  # bf16/fp16 rows
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
@@ -83,11 +87,16 @@ def _kernels() -> tuple[Any, Any]:
         K,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PREFETCH: tl.constexpr = 0,
+        THREADS: tl.constexpr = 128,
         PDL: tl.constexpr = False,
     ):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PREFETCH > 0:  # as gemv's
+            first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
+            l2_prefetch(first, K * 2, PREFETCH, BLOCK_N, THREADS)
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
@@ -136,7 +145,7 @@ def run_gemv(
     gemv[(n // t.block_n,)](
         x, weight, weight if bias is None else bias, out, x.shape[1],
         HAS_BIAS=bias is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(x.device),
+        num_warps=t.warps, num_stages=t.stages, **_launch(weight, t),
     )  # fmt: skip
     return out
 
@@ -158,6 +167,19 @@ def run_silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, t: Tiles) -> torc
     _, silu_gemv = _kernels()
     silu_gemv[(n // t.block_n,)](
         gate_up, weight, out, gate_up.shape[1] // 2, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.warps, num_stages=t.stages, **pdl.launch_options(gate_up.device),
+        num_warps=t.warps, num_stages=t.stages, **_launch(weight, t),
     )  # fmt: skip
     return out
+
+
+def _launch(weight: torch.Tensor, t: Tiles) -> dict[str, Any]:
+    """A launch's PDL options and, with PDL, its L2 prefetch of the weight:
+    each row's first bytes, within ``pdl.PREFETCH_BYTES`` for all rows
+    (one program a row or a few: those placed before the kernel ahead ends
+    have them coming in)."""
+    launch = pdl.launch_options(weight.device)
+    if not launch["PDL"]:
+        return launch
+    span = weight.shape[1] * weight.element_size()
+    prefetch = pdl.prefetch_bytes(weight.shape[0], span)
+    return {**launch, "PREFETCH": prefetch, "THREADS": 32 * t.warps}

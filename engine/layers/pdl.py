@@ -16,6 +16,14 @@ Kernels take it as a ``PDL`` constexpr (``prologue`` first where set) and
 their launches take ``launch_options(device)``; on other devices (ROCm's
 included), under Triton's interpreter, or with a Triton that cannot launch
 so, it is off.
+
+One thing may come before the wait: asking L2 for bytes no kernel of the
+step writes (a product's weight), with ``l2_prefetch`` (Hopper's bulk
+prefetch: one instruction a contiguous span, no register loaded, nothing
+read into the program). A program placed early then has its first weight
+bytes streaming in while the kernel before it finishes, which at a small
+batch is a norm, a rotary or an attention kernel of a few microseconds that
+leaves the memory idle.
 """
 
 from __future__ import annotations
@@ -80,3 +88,62 @@ def prologue() -> Any:
         tl.extra.cuda.gdc_launch_dependents()
 
     return pdl_prologue
+
+
+PREFETCH_BYTES = 0
+"""Bytes of its weight a product's launch asks L2 for before its wait (with
+programmatic dependent launch on): the first ``prefetch_bytes`` of each
+weight row's span of every program. 0: none."""
+PREFETCH_LINE = 128
+"""The prefetched span of a row is a whole number of these bytes (L2 lines)."""
+
+
+def prefetch_bytes(rows: int, span: int, budget: int | None = None) -> int:
+    """Bytes of each of ``rows`` weight-row spans of ``span`` bytes a launch
+    prefetches: at most the span, all of them together at most ``budget``
+    (None: ``PREFETCH_BYTES``), whole lines; 0 where that is under a line."""
+    budget = PREFETCH_BYTES if budget is None else budget
+    per_row = min(span, budget // rows) // PREFETCH_LINE * PREFETCH_LINE
+    return per_row if per_row >= PREFETCH_LINE else 0
+
+
+@cache
+def l2_prefetch() -> Any:
+    """The Triton function ``l2_prefetch(first, stride, nbytes, ROWS,
+    THREADS)``: ask L2 for ``nbytes`` (a multiple of 16) of each of ``ROWS``
+    spans, the first at the 16-byte aligned address ``first`` (an int64),
+    the others ``stride`` bytes apart, with Hopper's bulk prefetch
+    (``cp.async.bulk.prefetch.L2``: sm_90 and later; behind a constexpr that
+    is off under Triton's interpreter, which runs no PTX). ``THREADS``: the
+    program's threads (32 x warps), each of which asks for one span at a
+    time: a tensor of that many elements has one a thread, where a smaller
+    one would be held, and its prefetch issued, by several. It changes
+    nothing a program computes."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefetch(first, stride, nbytes, ROWS: tl.constexpr, THREADS: tl.constexpr):
+        i = tl.arange(0, THREADS)
+        for r0 in tl.static_range(0, ROWS, THREADS):
+            row = r0 + i
+            # The output is a dummy (inline asm must produce one); not pure,
+            # so the compiler keeps it although nothing reads it.
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p;\n"
+                " setp.lt.s32 p, $3, $4;\n"
+                " @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
+                " mov.b32 $0, 0; }",
+                "=r,l,r,r,r",
+                [
+                    first + row.to(tl.int64) * stride,
+                    tl.full([THREADS], nbytes, tl.int32),
+                    row,
+                    tl.full([THREADS], ROWS, tl.int32),
+                ],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+
+    return prefetch
