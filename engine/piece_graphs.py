@@ -116,7 +116,10 @@ class PieceGraphs:
         self._buckets: dict[int, _Bucket] = {}
         self._pool: tuple[int, int] | None = None
         self.fresh_attn = fresh
-        self.fresh_index = FreshIndex(*(torch.zeros_like(self.input_ids) for _ in range(3)))
+        self.fresh_index = FreshIndex(
+            *(torch.zeros_like(self.input_ids) for _ in range(3)),
+            torch.arange(max_tokens, device=device),
+        )
         """The whole-forward graphs' inputs beside the token ids."""
         if not capture:
             return
@@ -237,7 +240,7 @@ class PieceGraphs:
         ``n`` tokens (``can_run_fresh``), its attention included in one graph,
         with no plan. Only valid until the next forward on these graphs."""
         n, size = self._take_ids(batch)
-        positions, pages, slots = self.fresh_index
+        positions, pages, slots, _ = self.fresh_index
         positions[:n].copy_(batch.positions, non_blocking=True)
         pages[:n].copy_(batch.write_pages, non_blocking=True)
         slots[:n].copy_(batch.write_slots, non_blocking=True)

@@ -6,6 +6,8 @@ prologue and e4m3 pages in the eager attention between them)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from graph_decode import PAGE_SIZE, mixed_steps, small_runner
@@ -88,11 +90,24 @@ def test_piece_graphs_replay_alike_and_fall_back_past_their_largest() -> None:
     assert alloc.num_free == free
 
 
+FP8_E4M3 = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
+
+
+def _first_layer_kv(r: Any, specs: list[ExtendSpec], lens: list[int]) -> list[torch.Tensor]:
+    """Each prompt's layer-0 K and V as its pages hold them ``[2, tokens, heads, dim]``."""
+    out = []
+    for spec, n in zip(specs, lens):
+        pages = torch.tensor(spec.page_table, device=r.pool.kv.device)
+        kv = r.pool.kv[pages, 0].transpose(0, 1).flatten(1, 2)  # [2, pages x page_size, ...]
+        out.append(kv[:, :n].float())
+    return out
+
+
 @pytest.mark.parametrize(
     ("arch", "settings"),
-    [("LlamaForCausalLM", {}), ("Qwen3ForCausalLM", {}),
-     ("LlamaForCausalLM", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"})],
-    ids=["llama", "qwen3", "fp8-e4m3"],
+    [("LlamaForCausalLM", {}), ("Qwen3ForCausalLM", {}), ("LlamaForCausalLM", FP8_E4M3),
+     ("LlamaForCausalLM", {**FP8_E4M3, "fuse_rope_kv_write": False})],
+    ids=["llama", "qwen3-fused-prologue", "fp8-e4m3-fused-prologue", "fp8-e4m3-separate"],
 )  # fmt: skip
 def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
     """``fresh_prefill_graphs``: fresh prompts replayed as one graph a bucket
@@ -100,13 +115,15 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
     weights (FlashInfer's attention: within 2%, greedy tokens of 16 rows or
     more agreeing on 90%); the same prompt twice the same to the bit; a
     batch with a cached prefix, and one past the largest bucket, take the
-    other paths. The piecewise side runs the separate q/k prologue kernels,
-    as the fresh path does, so attention is all that differs. FP8 weights
-    over e4m3 pages too, within 8% and agreeing on 85%: the sums' other
-    order moves some activations across a step of their per-token e4m3
-    rounding (6% of the value) in the next products; a wrong mask or scale
-    moves the logits by far more."""
-    one = {"cuda_graph_max_tokens": 128, "fuse_rope_kv_write": False, **settings}
+    other paths. Both sides run the same q/k prologue: the fused kernel
+    where the engine fuses it (Qwen3's q/k norms, e4m3 pages), whose fresh
+    side writes k and v back as the pages hold them, or the separate
+    kernels; so attention is all that differs. FP8 weights over e4m3 pages
+    within 8% and agreeing on 85%: the sums' other order moves some
+    activations across a step of their per-token e4m3 rounding (6% of the
+    value) in the next products; a wrong mask or scale moves the logits by
+    far more."""
+    one = {"cuda_graph_max_tokens": 128, **settings}
     fresh = small_runner(0, arch, fresh_prefill_graphs=True, **one)
     pieces = small_runner(0, arch, **one)
     assert fresh.pieces is not None and fresh.pieces.fresh_attn is fresh.attn
@@ -114,7 +131,7 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
     cases = [[100], [5, 60, 1], [64, 64], [100], [200]]
     outs = []
     for lens in cases:
-        logits = []
+        logits, first_layer = [], []
         for r in (fresh, pieces):
             specs = []
             for n in lens:
@@ -127,6 +144,7 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
                 assert r.pieces.can_run_fresh(batch) == (sum(lens) <= 128)
             with torch.inference_mode():
                 logits.append(r.forward_logits(batch).float().clone())
+            first_layer.append(_first_layer_kv(r, specs, lens))
             if r is fresh and sum(lens) <= 128:
                 prefix = ExtendSpec([7], 1, specs[0].page_table, "all")  # after one cached token
                 assert not r.pieces.can_run_fresh(
@@ -136,6 +154,9 @@ def test_fresh_prompts_replay_as_one_graph(arch: str, settings: dict) -> None:
                 r.pool.allocator.free(spec.page_table)
         got, ref = logits
         assert got.isfinite().all()
+        # The first layer's K and V come from the same projection and the
+        # same prologue on both sides: the same pages, to the bit.
+        assert all(map(torch.equal, *first_layer)), lens
         assert _rel(got, ref) < (8e-2 if settings else 2e-2), lens
         if got.shape[0] >= 16:
             agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

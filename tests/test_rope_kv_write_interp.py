@@ -167,6 +167,50 @@ def test_warm_up_writes_only_the_scratch_page(kv_dtype: torch.dtype, qk_norm: bo
 
 
 @interpreted
+@pytest.mark.parametrize(("kv_dtype", "scales"), [(torch.float16, None), (KV_FP8, (0.02, 0.125))])
+def test_write_back_over_each_row_as_its_own_request(
+    kv_dtype: torch.dtype, scales: tuple[float, float] | None
+) -> None:
+    """The fresh-prompt form (``FlashInferAttention.forward_fresh_fused``):
+    row i as request i of one page, its page and slot in place of a
+    position. The pool and q come out as the append index of the same slots
+    writes them, to the bit; with ``write_back`` k and v are left as the
+    pages hold them (rounded once, over their scales), widened."""
+    from engine.attention.rope_kv_write import rope_kv_write
+
+    g = torch.Generator().manual_seed(5)
+    index = _index()
+    n, d = index.positions.numel(), 32
+    ptr, table = index.indptr.long(), index.indices.long()
+    pos = index.positions.long()
+    pages = table[ptr[index.batch_indices.long()] + pos // PAGE_SIZE]
+    slots = pos % PAGE_SIZE
+    rows = torch.arange(n)
+    fresh = AppendIndex(rows, slots, rows, pages, rows)
+    qkv = (torch.randn(n, (HEADS + 2 * KV_HEADS) * d, generator=g) * 3).to(torch.float16)
+    rotary = RotaryEmbedding(d, 10000.0, None, 64, TorchKernels())
+    pre = QKPrologue(pos, rotary.table(), None, None, 1e-6, scales)
+    outs = []
+    for ix, back in ((index, False), (fresh, True)):
+        x = qkv.clone()
+        q, k, v = x.split([HEADS * d, KV_HEADS * d, KV_HEADS * d], dim=-1)
+        q, k, v = q.view(n, HEADS, d), k.view(n, KV_HEADS, d), v.view(n, KV_HEADS, d)
+        pool = _pool(kv_dtype, d)
+        rope_kv_write(q, k, v, pre, pool.k_layer(LAYER), pool.v_layer(LAYER), ix, write_back=back)
+        outs.append((x, pool, k, v))
+    (x0, pool0, k0, v0), (x1, pool1, k1, v1) = outs
+    assert torch.equal(pool1.kv.float(), pool0.kv.float())
+    assert torch.equal(x1[:, : HEADS * d], x0[:, : HEADS * d])  # q: rotated alike
+    assert torch.equal(
+        k0.float(), qkv[:, HEADS * d : (HEADS + KV_HEADS) * d].view(n, -1, d).float()
+    )
+    held_k = pool1.k_layer(LAYER)[pages, slots].to(torch.float16)
+    held_v = pool1.v_layer(LAYER)[pages, slots].to(torch.float16)
+    assert torch.equal(k1, held_k) and torch.equal(v1, held_v)
+    assert not torch.equal(k1, k0)  # rewritten: rotated, over the scale
+
+
+@interpreted
 def test_rejects_what_it_cannot_take() -> None:
     from engine.attention.rope_kv_write import rope_kv_write
 

@@ -22,6 +22,10 @@ class FreshIndex(NamedTuple):
     positions: torch.Tensor
     write_pages: torch.Tensor
     write_slots: torch.Tensor
+    rows: torch.Tensor
+    """0, 1, 2, ...: each row taken as a request of its own, whose one page
+    is its ``write_pages`` entry (how ``forward_fresh_fused`` hands the rows
+    to a page-table KV write)."""
 
 
 class AttentionBackend(ABC):
@@ -101,6 +105,22 @@ class AttentionBackend(ABC):
         self.pool.write(layer, fresh.write_pages, fresh.write_slots, k, v)
         out = torch.empty_like(q) if out is None else out
         return self.attend_fresh(q, k, v, fresh.positions, out)
+
+    def forward_fresh_fused(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        pre: QKPrologue,
+        fresh: FreshIndex,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward_fresh`` with the layer's prologue ``pre`` applied on the
+        way, as ``forward_fused`` applies it: the same pages, and the same
+        rows attended (k and v as the pages hold them). Only backends that
+        set ``fuses_prologue`` take it."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k prologue")
 
     def attend_fresh(
         self,

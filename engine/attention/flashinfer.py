@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.attention import fresh_prefill, paged_decode, rope_kv_write
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, FreshIndex
 from engine.attention.rope_kv_write import AppendIndex, QKPrologue
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KV_FP8, KVPool
@@ -383,6 +383,26 @@ class FlashInferAttention(AttentionBackend):
         cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
         rope_kv_write.rope_kv_write(q, k, v, pre, *cache, ix)
         return self._attend(q, cache, out)
+
+    def forward_fresh_fused(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        pre: QKPrologue,
+        fresh: FreshIndex,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Row i as request i of one page, write_pages[i], at position (slot)
+        # write_slots[i]; k and v rewritten as the pages hold them, so the
+        # plan-free kernel attends what a paged one would read.
+        rows = fresh.rows
+        index = AppendIndex(rows, fresh.write_slots, rows, fresh.write_pages, rows)
+        cache = (self.pool.k_layer(layer), self.pool.v_layer(layer))
+        rope_kv_write.rope_kv_write(q, k, v, pre, *cache, index, write_back=True)
+        out = torch.empty_like(q) if out is None else out
+        return self.attend_fresh(q, k, v, fresh.positions, out)
 
     def attend_fresh(
         self,

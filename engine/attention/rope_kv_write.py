@@ -133,6 +133,7 @@ def _kernel() -> Any:
         HAS_NORM: tl.constexpr,
         TO_FP8: tl.constexpr,
         FP8_LIMIT: tl.constexpr,
+        WRITE_BACK: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
@@ -206,9 +207,18 @@ def _kernel() -> Any:
                 y2 = tl.clamp(y2, -FP8_LIMIT, FP8_LIMIT)
                 vals = tl.clamp(vals, -FP8_LIMIT, FP8_LIMIT)
             out_dtype = k_cache.dtype.element_ty
-            tl.store(k_cache + dst, y1.to(out_dtype), mask=live[:, None])
-            tl.store(k_cache + dst + HALF, y2.to(out_dtype), mask=live[:, None])
-            tl.store(v_cache + base[:, None] + vd[None, :], vals.to(out_dtype), mask=live[:, None])
+            k1, k2, vals = y1.to(out_dtype), y2.to(out_dtype), vals.to(out_dtype)
+            tl.store(k_cache + dst, k1, mask=live[:, None])
+            tl.store(k_cache + dst + HALF, k2, mask=live[:, None])
+            tl.store(v_cache + base[:, None] + vd[None, :], vals, mask=live[:, None])
+            if WRITE_BACK:
+                # The rows as the pages now hold them, back in the source's
+                # dtype (exact: e4m3 values are bf16/fp16 ones), over the
+                # rows they came from; each row is this program's alone.
+                tl.store(at, k1.to(dtype), mask=live[:, None])
+                tl.store(at + HALF, k2.to(dtype), mask=live[:, None])
+                v_rows = v + token[:, None] * stride_v_tok + head[:, None] * stride_v_head
+                tl.store(v_rows + vd[None, :], vals.to(dtype), mask=live[:, None])
 
     return rope_kv_write_kernel
 
@@ -226,12 +236,16 @@ def rope_kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     index: AppendIndex,
+    write_back: bool = False,
 ) -> None:
     """Rewrite ``q`` ``[n, heads, d]`` in place (normed, rotated, times the K
     scale) and write ``k`` (normed, rotated, over its scale) and ``v`` (over
     its scale) ``[n, kv_heads, d]`` into the pages ``k_cache``/``v_cache``
     ``[pages, page_size, kv_heads, d]`` (one layer's views; K and V share their
-    strides) at the slots ``index`` gives. Every last dim is contiguous."""
+    strides) at the slots ``index`` gives. Every last dim is contiguous.
+    ``write_back``: ``k`` and ``v`` rewritten in place too, to the values the
+    pages hold (rounded to the pages' dtype once, then widened), for an
+    attention that reads them from there (``fresh_index``)."""
     n, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
     if not supports(d):
@@ -258,7 +272,7 @@ def rope_kv_write(
         k_cache.shape[1], n, num_heads, num_kv_heads,
         float(pre.eps), float(ks), 1.0 / ks, 1.0 / vs,
         HEAD_DIM=d, ROWS=rows, HAS_NORM=pre.q_norm is not None,
-        TO_FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_LIMIT=FP8_MAX,
+        TO_FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_LIMIT=FP8_MAX, WRITE_BACK=write_back,
         num_warps=4 if rows == ROWS_LARGE else 1,
         **pdl.launch_options(q.device),
     )  # fmt: skip

@@ -79,13 +79,16 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if attn.fuses_prologue and fresh is None:
+        if attn.fuses_prologue:
             positions, table = rope  # the FlashInfer kernels' rotary input
             norms = (
                 (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
             )
             pre = QKPrologue(positions, table, *norms, self.eps, self.kv_scales)
-            out = attn.forward_fused(q, k, v, self.layer, pre, out)
+            if fresh is None:
+                out = attn.forward_fused(q, k, v, self.layer, pre, out)
+            else:
+                out = attn.forward_fresh_fused(q, k, v, self.layer, pre, fresh, out)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
