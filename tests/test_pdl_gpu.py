@@ -110,10 +110,13 @@ def test_fp8_products_chained(prefetch: int, monkeypatch: pytest.MonkeyPatch) ->
     _both_ways(monkeypatch, lambda: _fp8_chain(x, ws))
 
 
+@pytest.mark.parametrize("prefetch", PREFETCH)
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_moe_layers_chained(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One token: the matrix-vector experts; 16: align and the grouped GEMMs."""
+def test_moe_layers_chained(tokens: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token: the matrix-vector experts (the down kernel's experts
+    prefetched, with ``prefetch``); 16: align and the grouped GEMMs."""
     _needs_pdl()
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", prefetch)
     experts, hidden, inter = 32, 1024, 256
     w13 = _weights(2 * inter, hidden, experts, 11)
     w2 = _weights(hidden, inter, experts, 12)

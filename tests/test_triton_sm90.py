@@ -459,7 +459,9 @@ def test_products_prefetch_their_weight_before_the_wait(
     """With ``pdl.PREFETCH_BYTES`` set, the one-row products (bf16 and FP8:
     plain, gated, split over K on deferred rows) ask L2 for their weight rows'
     first bytes (one bulk prefetch a row, two for the gated gate and up rows)
-    before the wait, and still read nothing before it."""
+    before the wait, and still read nothing before it; the experts' down
+    kernel at one token, its experts' rows (the expert ids, routed two
+    kernels back, its only read before the wait)."""
     from engine.layers import pdl
 
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
@@ -490,8 +492,18 @@ def test_products_prefetch_their_weight_before_the_wait(
     d = fp8_skinny.fits(h, w2)
     assert d is not None and d.split_k > 1
     fp8_skinny.run(h, w2, _empty(n, dtype=torch.float32), None, d)
-    assert len(launches) == 5
-    for launch, bulk in zip(launches, [1, 1, 1, 2, 1]):
+    # One token of Qwen3-30B-A3B's experts: the down kernel's, over its
+    # token's experts (their ids read from L2 before the wait, nothing else).
+    c = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16)
+    assert c.moe is not None
+    e, h, i, top = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size, c.moe.top_k
+    ids = torch.zeros(1, top, dtype=torch.int32)
+    moe_triton.fused_experts(_empty(1, h), _empty(e, 2 * i, h), _empty(e, h, i),
+                             _empty(1, top, dtype=torch.float32), ids)  # fmt: skip
+    assert [k[0].fn.__name__ for k in launches[5:]] == ["gemv_gate_up_kernel", "gemv_down_kernel"]
+    del launches[5]  # gate/up: its experts are the kernel before's output
+    assert len(launches) == 6
+    for launch, bulk in zip(launches, [1, 1, 1, 2, 1, top]):
         name, kwargs = launch[0].fn.__name__, launch[2]
         assert kwargs["PREFETCH"] > 0, name
         body = ptx_sm90(launch)
@@ -499,7 +511,8 @@ def test_products_prefetch_their_weight_before_the_wait(
         wait = body.index("griddepcontrol.wait")
         assert body[:wait].count("cp.async.bulk.prefetch.L2.global") == bulk, name
         assert "cp.async.bulk.prefetch" not in body[wait:], name
-        assert wait < body.find("ld.global") % len(body), name
+        early = re.findall(r"ld\.global[.\w]*", body[:wait])
+        assert early == (["ld.global.cg.b32"] * top if name == "gemv_down_kernel" else []), early
 
 
 def test_the_check_fails_a_kernel_the_compiler_refuses(launches: list[Launch]) -> None:

@@ -96,6 +96,7 @@ def _kernels() -> dict[str, Any]:
     import triton.language as tl
 
     prologue = pdl.prologue()
+    l2_prefetch = pdl.l2_prefetch()
 
     @triton.jit
     def gemv_gate_up_kernel(
@@ -157,8 +158,22 @@ def _kernels() -> dict[str, Any]:
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PREFETCH: tl.constexpr = 0,
+        ROW_BYTES: tl.constexpr = 0,
+        THREADS: tl.constexpr = 64,
         PDL: tl.constexpr = False,
     ):
+        if PREFETCH > 0:  # with PDL only (pdl.prefetch_bytes): the weight, before the wait
+            # The token's experts, routed two kernels back: the gate/up kernel
+            # before this one had waited for the routing to complete before
+            # this one could be launched. Read from L2 (.cg), which the
+            # routing's stores reached, never from a line cached before them.
+            # Only the prefetch's addresses come from this read: the products
+            # read the ids again after the wait.
+            for j in tl.static_range(TOP_K):
+                e = tl.load(ids + tl.program_id(0) * TOP_K + j, cache_modifier=".cg")
+                rows = e.to(tl.int64) * stride_we + tl.program_id(1) * BLOCK_N * stride_wn
+                l2_prefetch((w2 + rows).to(tl.int64), ROW_BYTES, PREFETCH, BLOCK_N, THREADS)
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         # Program (token, row block): the token's top_k experts' rows, each
@@ -453,6 +468,7 @@ def fused_experts(
             BLOCK_K=down_k,
             num_warps=g.down_warps,
             **launch,
+            **_down_prefetch(w2, pairs, g) if launch["PDL"] else {},
         )
         return out
     t = tiles or gemm_tiles(pairs, experts)
@@ -516,6 +532,18 @@ def fused_experts(
         **launch,
     )
     return out
+
+
+def _down_prefetch(w2: torch.Tensor, pairs: int, g: GemvTiles) -> dict[str, Any]:
+    """The matrix-vector down kernel's L2 prefetch (with PDL): each pair's
+    expert rows' first bytes, within ``pdl.PREFETCH_BYTES`` for all; none
+    where a row block would pass the expert's last row."""
+    hidden, inter = w2.shape[1], w2.shape[2]
+    row_bytes = w2.stride(1) * w2.element_size()
+    prefetch = pdl.prefetch_bytes(pairs * hidden, inter * w2.element_size())
+    if hidden % g.down_n or not prefetch:
+        return {}
+    return {"PREFETCH": prefetch, "ROW_BYTES": row_bytes, "THREADS": 32 * g.down_warps}
 
 
 def kernel_choice(n: int, experts: int, top_k: int) -> tuple[Any, ...]:
