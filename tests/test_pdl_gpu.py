@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_route, moe_triton, pdl
+from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_route, moe_triton, norm_triton, pdl
 
 pytestmark = pytest.mark.gpu
 
@@ -39,6 +39,19 @@ def _bf16_chain(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     for w in ws:
         x = gemv.linear(x, w)
     return x
+
+
+def _norm_chain(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """The residual add and RMSNorm in place, then a product of the norm,
+    again and again (each norm reads the product before it and writes the
+    rows the next product reads)."""
+    norm_w = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    residual = torch.zeros_like(x)
+    h = x.clone()  # add_rms_norm overwrites its input
+    for w in ws:
+        h, residual = norm_triton.add_rms_norm(h, residual, norm_w, 1e-5)
+        h = gemv.linear(h, w)
+    return norm_triton.rms_norm(h, norm_w, 1e-5)
 
 
 def _fp8_chain(x: torch.Tensor, ws: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -99,6 +112,20 @@ def test_bf16_products_chained(rows: int, prefetch: int, monkeypatch: pytest.Mon
     ws = _weights(HIDDEN, HIDDEN, LINKS, rows)
     x = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
     _both_ways(monkeypatch, lambda: _bf16_chain(x, ws))
+
+
+@pytest.mark.parametrize("prefetch", PREFETCH)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norms_and_products_chained(
+    rows: int, prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton norms (``engine.layers.norm_triton``) before products that
+    prefetch their weight."""
+    _needs_pdl()
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", prefetch)
+    ws = _weights(HIDDEN, HIDDEN, LINKS, 20 + rows)
+    x = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
+    _both_ways(monkeypatch, lambda: _norm_chain(x, ws))
 
 
 @pytest.mark.parametrize("prefetch", PREFETCH)

@@ -30,7 +30,7 @@ try:
 except ImportError as e:  # Triton's internals moved: say so, do not fail the suite
     pytest.skip(f"triton {triton.__version__}: {e}", allow_module_level=True)
 
-from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_triton, skinny  # noqa: E402
+from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_triton, norm_triton, skinny  # noqa: E402
 from engine.layers.fp8_quant import Quantized  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -418,6 +418,7 @@ def test_every_decode_kernel_with_programmatic_dependent_launch(
     fp8_quant.norm_quantize(_empty(4, k), _empty(4, k), _empty(k), 1e-5)
     fp8_quant.silu_mul_quantize(_empty(4, 2 * k))
     fp8_quant.quantize_rows(_empty(4, k))
+    norm_triton.add_rms_norm(_empty(4, k), _empty(4, k), _empty(k), 1e-5)
     c = ModelConfig.from_dict(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16)
     assert c.moe is not None
     e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
@@ -447,7 +448,7 @@ def test_every_decode_kernel_with_programmatic_dependent_launch(
         assert body.index("griddepcontrol.wait") < body.find("ld.global") % len(body), name
         assert "prefetch" not in body, name
         names.add(name)
-    expected = {"gemv", "silu_gemv", "skinny", "fp8_skinny", "route_kernel",
+    expected = {"gemv", "silu_gemv", "skinny", "fp8_skinny", "route_kernel", "rms_norm_kernel",
                 "gemv_gate_up_kernel", "gemv_down_kernel", "align_kernel", "split_attend", "merge"}  # fmt: skip
     assert expected <= names, expected - names
     assert len(names) >= 15

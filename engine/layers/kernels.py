@@ -3,9 +3,17 @@ residual add), rotary embedding and SiLU-and-mul.
 
 ``TorchKernels`` is the reference (any device, float32 norm statistics like HF
 transformers). ``FlashInferKernels`` runs each op as one fused CUDA kernel: the
-residual add and the norm in one pass, rotary applied in place on the q/k views
-of the QKV projection's output from a float32 cos/sin cache. A model is built
+residual add and the norm in one pass, rotary applied in place on the q/k
+views of the QKV projection's output from a float32 cos/sin cache. A model is built
 with one set; the runner picks FlashInfer's wherever its attention runs.
+
+FlashInfer's norms are launched the ordinary way, so the product after a norm
+cannot start before the norm ends. Where the products prefetch their weights
+before their wait (``engine.layers.pdl.PREFETCH_BYTES``), a forward's rows
+take ``engine.layers.norm_triton``'s kernel instead, launched with
+programmatic dependent launch, so that the product's programs are placed and
+its weight streams in while the norm runs. (Without the prefetch the two
+norms measured even: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from typing import Protocol
 
 import torch
 from torch.nn import functional as F
+
+from engine.layers import norm_triton, pdl
 
 KERNELS = ("torch", "flashinfer")
 
@@ -117,12 +127,16 @@ class FlashInferKernels(LayerKernels):
         self._act = flashinfer.activation
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if pdl.PREFETCH_BYTES and norm_triton.fits(x):
+            return norm_triton.rms_norm(x, weight, eps)
         return self._norm.rmsnorm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # In place: residual += x, then x = rms_norm(residual).
+        if pdl.PREFETCH_BYTES and norm_triton.fits(x) and residual.stride(-1) == 1:
+            return norm_triton.add_rms_norm(x, residual, weight, eps)
         self._norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 

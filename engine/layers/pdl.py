@@ -17,13 +17,15 @@ their launches take ``launch_options(device)``; on other devices (ROCm's
 included), under Triton's interpreter, or with a Triton that cannot launch
 so, it is off.
 
-One thing may come before the wait: asking L2 for bytes no kernel of the
-step writes (a product's weight), with ``l2_prefetch`` (Hopper's bulk
-prefetch: one instruction a contiguous span, no register loaded, nothing
-read into the program). A program placed early then has its first weight
-bytes streaming in while the kernel before it finishes, which at a small
-batch is a norm, a rotary or an attention kernel of a few microseconds that
-leaves the memory idle.
+One thing may come before the wait, with ``PREFETCH_BYTES`` set: asking
+L2 for bytes no kernel of the step writes (a product's weight), with
+``l2_prefetch`` (Hopper's bulk prefetch: one instruction a contiguous span,
+no register loaded, nothing read into the program). A program placed early
+then has its first weight bytes streaming in while the kernel before it
+finishes, which at a small batch is a norm, a rotary or an attention kernel
+of a few microseconds that leaves the memory idle. (The experts' down
+product also reads which experts its rows are, for the prefetch's addresses
+alone: ``engine.layers.moe_triton``.)
 """
 
 from __future__ import annotations
