@@ -79,3 +79,14 @@ def test_prefetch_spans_stay_within_the_budget_rows_and_lines() -> None:
             assert got == span or rows * (got + line) > budget
     assert pdl.prefetch_bytes(64 * 64, 4096, 16 << 20) == 4096  # o: the whole weight
     assert pdl.prefetch_bytes(96 * 64, 4096, 16 << 20) == 2688  # qkv: its first 2688 of 4096
+
+
+def test_prefetching_programs_are_the_first_within_the_budget() -> None:
+    """``prefetch_programs``: the most whole spans of the first programs
+    within the budget, never more programs than the launch has; none by
+    default."""
+    assert pdl.prefetch_programs(6144, 8192) == 0
+    assert pdl.prefetch_programs(6144, 8192, 16 << 20) == 2048  # QKV's first third
+    assert pdl.prefetch_programs(2048, 8192, 16 << 20) == 2048  # o: all of it
+    assert pdl.prefetch_programs(8016, 16 * 8192, 16 << 20) == 128  # the LM head's first rows
+    assert pdl.prefetch_programs(10, 1 << 20, 1 << 19) == 0

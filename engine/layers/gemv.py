@@ -61,11 +61,13 @@ def _kernels() -> tuple[Any, Any]:
     l2_prefetch = pdl.l2_prefetch()
 
     @triton.jit
-    def gemv(x_ptr, w_ptr, b_ptr, out_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = 0, THREADS: tl.constexpr = 128, PDL: tl.constexpr = False):  # fmt: skip
+    def gemv(x_ptr, w_ptr, b_ptr, out_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = 0, PREFETCH_PROGRAMS: tl.constexpr = 0, THREADS: tl.constexpr = 128, PDL: tl.constexpr = False):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PREFETCH > 0:  # with PDL only (pdl.prefetch_bytes): the weight, before the wait
-            first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
-            l2_prefetch(first, K * 2, PREFETCH, BLOCK_N, THREADS)  # bf16/fp16 rows
+        # With PDL only (_launch): the first programs' weight rows, before the wait.
+        if PREFETCH > 0:  # noqa: SIM102 (a constant: nothing at all when off)
+            if tl.program_id(0) < PREFETCH_PROGRAMS:
+                first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
+                l2_prefetch(first, PREFETCH, PREFETCH, BLOCK_N, THREADS)
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -88,13 +90,15 @@ def _kernels() -> tuple[Any, Any]:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PREFETCH: tl.constexpr = 0,
+        PREFETCH_PROGRAMS: tl.constexpr = 0,
         THREADS: tl.constexpr = 128,
         PDL: tl.constexpr = False,
     ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PREFETCH > 0:  # as gemv's
-            first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
-            l2_prefetch(first, K * 2, PREFETCH, BLOCK_N, THREADS)
+        if PREFETCH > 0:  # noqa: SIM102 (as gemv's)
+            if tl.program_id(0) < PREFETCH_PROGRAMS:
+                first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
+                l2_prefetch(first, PREFETCH, PREFETCH, BLOCK_N, THREADS)
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -174,12 +178,14 @@ def run_silu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, t: Tiles) -> torc
 
 def _launch(weight: torch.Tensor, t: Tiles) -> dict[str, Any]:
     """A launch's PDL options and, with PDL, its L2 prefetch of the weight:
-    each row's first bytes, within ``pdl.PREFETCH_BYTES`` for all rows
-    (one program a row or a few: those placed before the kernel ahead ends
-    have them coming in)."""
+    the whole rows of its first programs (``pdl.prefetch_programs``; a few
+    rows a program, thousands of programs in waves: the first are those
+    placed while the kernel ahead runs)."""
     launch = pdl.launch_options(weight.device)
     if not launch["PDL"]:
         return launch
-    span = weight.shape[1] * weight.element_size()
-    prefetch = pdl.prefetch_bytes(weight.shape[0], span)
-    return {**launch, "PREFETCH": prefetch, "THREADS": 32 * t.warps}
+    span = weight.shape[1] * weight.element_size()  # a row's bytes, rows contiguous
+    programs = pdl.prefetch_programs(weight.shape[0] // t.block_n, t.block_n * span)
+    if not programs:
+        return launch
+    return {**launch, "PREFETCH": span, "PREFETCH_PROGRAMS": programs, "THREADS": 32 * t.warps}

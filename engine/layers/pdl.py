@@ -95,7 +95,9 @@ def prologue() -> Any:
 PREFETCH_BYTES = 0
 """Bytes of its weight a product's launch asks L2 for before its wait (with
 programmatic dependent launch on): the first ``prefetch_bytes`` of each
-weight row's span of every program. 0: none."""
+weight row's span of every program, where all programs run at once, or the
+whole spans of the first ``prefetch_programs``, where they run in waves.
+0: none."""
 PREFETCH_LINE = 128
 """The prefetched span of a row is a whole number of these bytes (L2 lines)."""
 
@@ -107,6 +109,15 @@ def prefetch_bytes(rows: int, span: int, budget: int | None = None) -> int:
     budget = PREFETCH_BYTES if budget is None else budget
     per_row = min(span, budget // rows) // PREFETCH_LINE * PREFETCH_LINE
     return per_row if per_row >= PREFETCH_LINE else 0
+
+
+def prefetch_programs(programs: int, program_bytes: int, budget: int | None = None) -> int:
+    """How many of a launch's first ``programs`` prefetch their whole weight
+    span of ``program_bytes``, all of them together at most ``budget`` (None:
+    ``PREFETCH_BYTES``): for kernels of many short programs, placed in order,
+    of which only the first can be placed while the kernel before runs."""
+    budget = PREFETCH_BYTES if budget is None else budget
+    return min(programs, budget // program_bytes)
 
 
 @cache
