@@ -128,6 +128,36 @@ def test_matches_float64_attention_over_the_same_pages(
 
 
 @interpreted
+@pytest.mark.parametrize("kv_dtype", [torch.float16, KV_FP8])
+def test_pages_with_heads_outermost_read_through_their_strides(kv_dtype: torch.dtype) -> None:
+    """The same K/V stored heads outermost within a page (each head's tokens
+    in one run, as ``bench_attention``'s ``HND`` times it) and passed as a
+    ``[page, tokens, heads, dim]`` view: the same output, to the bit."""
+    from engine.attention.paged_decode import paged_decode
+
+    heads, kv_heads, d = 8, 2, 32
+    g = torch.Generator().manual_seed(3)
+    num_pages = sum(-(-n // PAGE_SIZE) for n in LENGTHS) + 2
+    pool = KVPool(KVPoolConfig(num_pages, PAGE_SIZE, LAYERS, kv_heads, d, dtype=kv_dtype))
+    pool.kv.copy_((torch.randn(pool.kv.shape, generator=g) * 2).to(kv_dtype))
+    k, v = pool.k_layer(LAYER), pool.v_layer(LAYER)
+    # [page, heads, tokens, dim] storage holding the same values.
+    k_hnd, v_hnd = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    assert k_hnd.stride(1) == d and k_hnd.stride(2) == PAGE_SIZE * d
+    tables = _pages(LENGTHS, num_pages, seed=1)
+    indptr, indices, last = _index(LENGTHS, tables)
+    q = torch.randn(len(LENGTHS), heads, d, generator=g).to(torch.float16)
+    outs = []
+    for cache in ((k, v), (k_hnd, v_hnd)):
+        out = torch.empty_like(q)
+        paged_decode(q, *cache, indptr, indices, last, out, d**-0.5, DecodePlan(4, 2))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = _reference(q, pool, LENGTHS, tables, d**-0.5, (1.0, 1.0))
+    assert ((outs[1].double() - ref).norm() / ref.norm()).item() < 1.5e-3
+
+
+@interpreted
 def test_a_longer_context_replays_with_the_same_plan() -> None:
     """A split's pages are found on the device: the plan chosen for a batch
     size serves contexts of any length (as a CUDA graph replays it), and

@@ -12,8 +12,9 @@ its tensor-core kernels through the prefill path; ``triton``:
 chunks of at least 8/16/32 pages), a KV split
 rule (``auto``: the plan's own, ``none``: one pass per request, ``N``: N pages
 per split for FlashInfer, N splits per request for Triton) and the layout
-within a page (``NHD``: the pool's, ``HND``: heads outermost; Triton reads
-``NHD`` only). Reports
+within a page (``NHD``: the pool's, ``HND``: heads outermost, so that a
+page holds each head's tokens in one run: the Triton kernel reads it through
+its strides). Reports
 GPU ms per step and the KV read rate, so that the kernel and split the engine
 uses can be set from a measurement::
 
@@ -28,6 +29,8 @@ uses can be set from a measurement::
     python -m benchmarks.kernels.bench_attention --kv-dtype fp8_e4m3 --batch-sizes 1 64 256 \\
         --pool-layers 32 --q-in-qkv --variants fa2:auto:NHD triton:auto:NHD triton-b8:auto:NHD \\
         triton-b2:auto:NHD triton-s3:auto:NHD
+    python -m benchmarks.kernels.bench_attention --kv-dtype fp8_e4m3 --batch-sizes 64 256 \\
+        --pool-layers 32 --q-in-qkv --variants triton-plan:auto:NHD triton-plan:auto:HND
 """
 
 from __future__ import annotations
@@ -120,8 +123,6 @@ class Variant(NamedTuple):
             raise argparse.ArgumentTypeError(f"{text!r}: split is auto, none or a page count")
         if layout not in LAYOUTS:
             raise argparse.ArgumentTypeError(f"{text!r}: layout is NHD or HND")
-        if kernel in TRITON and layout != "NHD":
-            raise argparse.ArgumentTypeError(f"{text!r}: the Triton kernel reads NHD pages")
         if kernel in TRITON and split.isdigit() and not 1 <= int(split) <= 32:
             raise argparse.ArgumentTypeError(f"{text!r}: Triton splits are 1 to 32")
         return cls(kernel, split, layout)
@@ -181,8 +182,11 @@ def time_kernel(
         cache = (kv[:, layer, 0], kv[:, layer, 1])
         if variant.layout == "HND":
             # The same bytes read as [page, heads, tokens, dim]: what is timed
-            # is the access pattern, not the values.
+            # is the access pattern, not the values. The Triton kernel takes
+            # them as [page, tokens, heads, dim] through the strides.
             cache = tuple(c.view(c.shape[0], args.num_kv_heads, ps, args.head_dim) for c in cache)
+            if variant.kernel in TRITON:
+                cache = tuple(c.transpose(1, 2) for c in cache)
         caches.append(cache)
 
     gemm: tuple[torch.Tensor, torch.Tensor] | None = None
