@@ -90,3 +90,23 @@ def test_prefetching_programs_are_the_first_within_the_budget() -> None:
     assert pdl.prefetch_programs(2048, 8192, 16 << 20) == 2048  # o: all of it
     assert pdl.prefetch_programs(8016, 16 * 8192, 16 << 20) == 128  # the LM head's first rows
     assert pdl.prefetch_programs(10, 1 << 20, 1 << 19) == 0
+
+
+def test_the_routing_prefetches_the_chosen_experts_first_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``moe_route.expert_rows``: two spans a pair (the first gate rows, the
+    first up rows) within the budget and within a half of the expert's
+    rows; none past the experts' matrix-vector path, nor by default."""
+    from engine.layers import moe_route, moe_triton
+
+    w13 = torch.empty(128, 2 * 768, 2048, dtype=torch.bfloat16)
+    half = 768 * 2048 * 2
+    assert moe_route.expert_rows(w13, 8) == {}
+    monkeypatch.setattr(pdl, "PREFETCH_BYTES", 16 << 20)
+    got = moe_route.expert_rows(w13, 8)
+    assert got["w13"] is w13 and got["stride_we"] == 2 * 768 * 2048
+    assert got["up_offset"] == 768 * 2048  # elements from a gate row to its up row
+    assert got["PREFETCH"] == 1 << 20 and 2 * 8 * got["PREFETCH"] <= 16 << 20 < half * 16
+    assert moe_route.expert_rows(w13, 2)["PREFETCH"] == half  # a few pairs: the whole halves
+    assert moe_route.expert_rows(w13, moe_triton.SMALL_PAIRS + 1) == {}

@@ -72,7 +72,7 @@ def _moe_chain(
 ) -> torch.Tensor:
     """Routing and the experts of a few layers, each on the last output."""
     for _ in range(6):
-        weights, ids = moe_route.route(gemv.linear(x, router), 8, True)
+        weights, ids = moe_route.route(gemv.linear(x, router), 8, True, w13=w13)
         x = moe_triton.fused_experts(x, w13, w2, weights, ids)
     return x
 

@@ -30,7 +30,16 @@ try:
 except ImportError as e:  # Triton's internals moved: say so, do not fail the suite
     pytest.skip(f"triton {triton.__version__}: {e}", allow_module_level=True)
 
-from engine.layers import fp8, fp8_quant, fp8_skinny, gemv, moe_triton, norm_triton, skinny  # noqa: E402
+from engine.layers import (  # noqa: E402
+    fp8,
+    fp8_quant,
+    fp8_skinny,
+    gemv,
+    moe_route,
+    moe_triton,
+    norm_triton,
+    skinny,
+)
 from engine.layers.fp8_quant import Quantized  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
@@ -462,7 +471,8 @@ def test_products_prefetch_their_weight_before_the_wait(
     first bytes (one bulk prefetch a row, two for the gated gate and up rows)
     before the wait, and still read nothing before it; the experts' down
     kernel at one token, its experts' rows (the expert ids, routed two
-    kernels back, its only read before the wait)."""
+    kernels back, its only read before the wait); the routing, once it has
+    chosen the experts, their first gate and up rows."""
     from engine.layers import pdl
 
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
@@ -504,6 +514,16 @@ def test_products_prefetch_their_weight_before_the_wait(
     assert [k[0].fn.__name__ for k in launches[5:]] == ["gemv_gate_up_kernel", "gemv_down_kernel"]
     del launches[5]  # gate/up: its experts are the kernel before's output
     assert len(launches) == 6
+    # The routing, after it has chosen them: the experts' first gate and up rows.
+    w13 = _empty(e, 2 * i, h)
+    moe_route.route(_empty(1, e), top, True, w13=w13)
+    route = launches.pop()
+    assert route[2]["PREFETCH"] > 0 and route[2]["w13"] is w13
+    body = ptx_sm90(route)
+    body = body[body.index(".entry") :]
+    wait = body.index("griddepcontrol.wait")
+    assert "cp.async.bulk.prefetch" not in body[:wait]
+    assert body[wait:].count("cp.async.bulk.prefetch.L2.global") >= 2
     for launch, bulk in zip(launches, [1, 1, 1, 2, 1, top]):
         name, kwargs = launch[0].fn.__name__, launch[2]
         assert kwargs["PREFETCH"] > 0, name

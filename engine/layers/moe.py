@@ -136,7 +136,7 @@ class SparseMoE(nn.Module):
             from engine.layers import moe_route
 
             return moe_route.route_rows(
-                x, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob
+                x, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob, self.experts.w13
             )
         return route(linear(x, self.gate.weight), self.moe.top_k, self.moe.norm_topk_prob)
 

@@ -30,6 +30,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     prologue = pdl.prologue()
+    prefetch_one = pdl.l2_prefetch_one()
 
     @triton.jit(do_not_specialize=["n"])
     def route_kernel(
@@ -44,6 +45,10 @@ def _kernel() -> Any:
         RENORMALIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr,
+        w13=None,
+        stride_we=0,
+        up_offset=0,
+        PREFETCH: tl.constexpr = 0,
         PDL: tl.constexpr = False,
     ):
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
@@ -73,6 +78,15 @@ def _kernel() -> Any:
         keep = live[:, None] & (kk[None, :] < TOP_K)
         tl.store(weights + out, vals, mask=keep)
         tl.store(ids + out, args, mask=keep)
+        if PREFETCH > 0:  # a constant (route's expert_rows, one token a program)
+            # The chosen experts' first gate and up rows, asked of L2 for the
+            # experts' product, whose first programs read them (its programs
+            # take every pair's first rows first).
+            for j in tl.static_range(TOP_K):
+                expert = tl.sum(tl.where(kk[None, :] == j, args, 0)).to(tl.int64)
+                gate = w13 + expert * stride_we
+                prefetch_one(gate.to(tl.int64), PREFETCH)
+                prefetch_one((gate + up_offset).to(tl.int64), PREFETCH)
 
     return route_kernel
 
@@ -94,15 +108,25 @@ def route_tiles(n: int) -> RouteTiles:
 
 
 def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool, tiles: RouteTiles | None = None
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    tiles: RouteTiles | None = None,
+    w13: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``engine.layers.moe.route``, in one kernel."""
+    """As ``engine.layers.moe.route``, in one kernel. ``w13``: the experts'
+    gate/up weight ``[experts, 2 * inter, hidden]``, whose chosen experts'
+    first rows the kernel then asks L2 for (``expert_rows``)."""
     n, experts = logits.shape
     weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
     if n == 0:
         return weights, ids
     t = tiles or route_tiles(n)
+    launch = pdl.launch_options(logits.device)
+    prefetch = {}
+    if w13 is not None and launch["PDL"] and t.block_t == 1:
+        prefetch = expert_rows(w13, n * top_k)
     _kernel()[(triton_cdiv(n, t.block_t),)](
         logits,
         weights,
@@ -116,17 +140,41 @@ def route(
         BLOCK_T=t.block_t,
         BLOCK_E=pow2(experts),
         num_warps=t.warps,
-        **pdl.launch_options(logits.device),
+        **launch,
+        **prefetch,
     )
     return weights, ids
 
 
+def expert_rows(w13: torch.Tensor, pairs: int) -> dict[str, Any]:
+    """The routing kernel's prefetch of the chosen experts' gate/up rows
+    (with programmatic dependent launch), for the experts' matrix-vector
+    path (``moe_triton.SMALL_PAIRS`` pairs or fewer), whose programs read
+    every pair's first rows first: each pair's first gate rows and first up
+    rows, two spans within ``pdl.PREFETCH_BYTES`` for all; none past it or
+    where that is under a line."""
+    from engine.layers.moe_triton import SMALL_PAIRS  # it imports this module
+
+    if pairs > SMALL_PAIRS or not w13.is_contiguous():
+        return {}
+    half = w13.shape[1] // 2 * w13.stride(1)  # elements from a gate row to its up row
+    prefetch = pdl.prefetch_bytes(2 * pairs, half * w13.element_size())
+    if not prefetch:
+        return {}
+    return {"w13": w13, "stride_we": w13.stride(0), "up_offset": half, "PREFETCH": prefetch}
+
+
 def route_rows(
-    rows: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+    rows: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    w13: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k weights and expert ids of ``rows`` under the ``router``
-    matrix: its product (``engine.layers.gemv.linear``), then ``route``."""
-    return route(linear(rows, router), top_k, renormalize)
+    matrix: its product (``engine.layers.gemv.linear``), then ``route``
+    (prefetching ``w13``'s chosen rows, where given)."""
+    return route(linear(rows, router), top_k, renormalize, w13=w13)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -25,7 +25,8 @@ then has its first weight bytes streaming in while the kernel before it
 finishes, which at a small batch is a norm, a rotary or an attention kernel
 of a few microseconds that leaves the memory idle. (The experts' down
 product also reads which experts its rows are, for the prefetch's addresses
-alone: ``engine.layers.moe_triton``.)
+alone: ``engine.layers.moe_triton``; the routing kernel asks for its chosen
+experts' first rows after choosing them: ``engine.layers.moe_route``.)
 """
 
 from __future__ import annotations
@@ -121,42 +122,81 @@ def prefetch_programs(programs: int, program_bytes: int, budget: int | None = No
 
 
 @cache
-def l2_prefetch() -> Any:
-    """The Triton function ``l2_prefetch(first, stride, nbytes, ROWS,
-    THREADS)``: ask L2 for ``nbytes`` (a multiple of 16) of each of ``ROWS``
-    spans, the first at the 16-byte aligned address ``first`` (an int64),
-    the others ``stride`` bytes apart, with Hopper's bulk prefetch
-    (``cp.async.bulk.prefetch.L2``: sm_90 and later; behind a constexpr that
-    is off under Triton's interpreter, which runs no PTX). ``THREADS``: the
-    program's threads (32 x warps), each of which asks for one span at a
-    time: a tensor of that many elements has one a thread, where a smaller
-    one would be held, and its prefetch issued, by several. It changes
-    nothing a program computes."""
+def l2_prefetch_at() -> Any:
+    """The Triton function ``l2_prefetch_at(addresses, nbytes, ok)``: ask L2
+    for ``nbytes`` (a multiple of 16) from each 16-byte aligned address (an
+    int64 tensor) where ``ok`` holds, with Hopper's bulk prefetch
+    (``cp.async.bulk.prefetch.L2``: sm_90 and later; the kernels keep it
+    behind a constexpr that is off under Triton's interpreter, which runs no
+    PTX), the thread that holds an element asking for it: for a tensor of
+    one element a thread (none held by several). It changes nothing a
+    program computes."""
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def prefetch_at(addresses, nbytes, ok):
+        # The output is a dummy (inline asm must produce one); not pure, so
+        # the compiler keeps it although nothing reads it.
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p;\n"
+            " setp.ne.s32 p, $3, 0;\n"
+            " @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
+            " mov.b32 $0, 0; }",
+            "=r,l,r,r",
+            [addresses, tl.full(addresses.shape, nbytes, tl.int32), ok.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    return prefetch_at
+
+
+@cache
+def l2_prefetch_one() -> Any:
+    """The Triton function ``l2_prefetch_one(address, nbytes)``: as
+    ``l2_prefetch_at`` for one address (an int64 scalar, which every thread
+    holds), the program's first thread alone asking."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefetch_one(address, nbytes):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p;\n"
+            " .reg .b32 t;\n"
+            " mov.u32 t, %tid.x;\n"
+            " setp.eq.u32 p, t, 0;\n"
+            " @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
+            " mov.b32 $0, 0; }",
+            "=r,l,r",
+            [tl.full([1], address, tl.int64), tl.full([1], nbytes, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    return prefetch_one
+
+
+@cache
+def l2_prefetch() -> Any:
+    """The Triton function ``l2_prefetch(first, stride, nbytes, ROWS,
+    THREADS)``: ``l2_prefetch_at`` for ``nbytes`` of each of ``ROWS`` spans,
+    the first at ``first``, the others ``stride`` bytes apart. ``THREADS``:
+    the program's threads (32 x warps), each of which asks for one span at a
+    time: a tensor of that many elements has one a thread."""
+    import triton
+    import triton.language as tl
+
+    prefetch_at = l2_prefetch_at()
 
     @triton.jit
     def prefetch(first, stride, nbytes, ROWS: tl.constexpr, THREADS: tl.constexpr):
         i = tl.arange(0, THREADS)
         for r0 in tl.static_range(0, ROWS, THREADS):
             row = r0 + i
-            # The output is a dummy (inline asm must produce one); not pure,
-            # so the compiler keeps it although nothing reads it.
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p;\n"
-                " setp.lt.s32 p, $3, $4;\n"
-                " @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
-                " mov.b32 $0, 0; }",
-                "=r,l,r,r,r",
-                [
-                    first + row.to(tl.int64) * stride,
-                    tl.full([THREADS], nbytes, tl.int32),
-                    row,
-                    tl.full([THREADS], ROWS, tl.int32),
-                ],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+            prefetch_at(first + row.to(tl.int64) * stride, nbytes, row < ROWS)
 
     return prefetch
