@@ -97,8 +97,8 @@ def test_the_routing_prefetches_the_chosen_experts_first_rows(
 ) -> None:
     """``moe_route.expert_rows``: two spans a pair (the first gate rows, the
     first up rows) within the budget and within a half of the expert's
-    rows; none past the experts' matrix-vector path, nor by default."""
-    from engine.layers import moe_route, moe_triton
+    rows; none by default, nor where a pair's share is under a line."""
+    from engine.layers import moe_route
 
     w13 = torch.empty(128, 2 * 768, 2048, dtype=torch.bfloat16)
     half = 768 * 2048 * 2
@@ -109,4 +109,4 @@ def test_the_routing_prefetches_the_chosen_experts_first_rows(
     assert got["up_offset"] == 768 * 2048  # elements from a gate row to its up row
     assert got["PREFETCH"] == 1 << 20 and 2 * 8 * got["PREFETCH"] <= 16 << 20 < half * 16
     assert moe_route.expert_rows(w13, 2)["PREFETCH"] == half  # a few pairs: the whole halves
-    assert moe_route.expert_rows(w13, moe_triton.SMALL_PAIRS + 1) == {}
+    assert moe_route.expert_rows(w13, (16 << 20) // 2 // 64 + 1) == {}

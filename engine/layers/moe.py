@@ -133,10 +133,17 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if use_fused(x):
-            from engine.layers import moe_route
+            from engine.layers import moe_route, moe_triton
 
+            # Where the experts' matrix-vector path follows, the routing asks
+            # L2 for the chosen experts' first rows (moe_route.expert_rows).
+            small = x.shape[0] * self.moe.top_k <= moe_triton.SMALL_PAIRS
             return moe_route.route_rows(
-                x, self.gate.weight, self.moe.top_k, self.moe.norm_topk_prob, self.experts.w13
+                x,
+                self.gate.weight,
+                self.moe.top_k,
+                self.moe.norm_topk_prob,
+                self.experts.w13 if small else None,
             )
         return route(linear(x, self.gate.weight), self.moe.top_k, self.moe.norm_topk_prob)
 

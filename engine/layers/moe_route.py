@@ -116,7 +116,8 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``engine.layers.moe.route``, in one kernel. ``w13``: the experts'
     gate/up weight ``[experts, 2 * inter, hidden]``, whose chosen experts'
-    first rows the kernel then asks L2 for (``expert_rows``)."""
+    first rows the kernel then asks L2 for (``expert_rows``): where the
+    experts' matrix-vector path follows."""
     n, experts = logits.shape
     weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
@@ -125,7 +126,7 @@ def route(
     t = tiles or route_tiles(n)
     launch = pdl.launch_options(logits.device)
     prefetch = {}
-    if w13 is not None and launch["PDL"] and t.block_t == 1:
+    if w13 is not None and pdl.PREFETCH_BYTES and launch["PDL"] and t.block_t == 1:
         prefetch = expert_rows(w13, n * top_k)
     _kernel()[(triton_cdiv(n, t.block_t),)](
         logits,
@@ -148,14 +149,12 @@ def route(
 
 def expert_rows(w13: torch.Tensor, pairs: int) -> dict[str, Any]:
     """The routing kernel's prefetch of the chosen experts' gate/up rows
-    (with programmatic dependent launch), for the experts' matrix-vector
-    path (``moe_triton.SMALL_PAIRS`` pairs or fewer), whose programs read
-    every pair's first rows first: each pair's first gate rows and first up
-    rows, two spans within ``pdl.PREFETCH_BYTES`` for all; none past it or
-    where that is under a line."""
-    from engine.layers.moe_triton import SMALL_PAIRS  # it imports this module
-
-    if pairs > SMALL_PAIRS or not w13.is_contiguous():
+    (with programmatic dependent launch): each pair's first gate rows and
+    first up rows, two spans within ``pdl.PREFETCH_BYTES`` for all; none
+    where that is under a line. (For the experts' matrix-vector path, whose
+    programs read every pair's first rows first: its callers pass ``w13``
+    there alone.)"""
+    if not w13.is_contiguous():
         return {}
     half = w13.shape[1] // 2 * w13.stride(1)  # elements from a gate row to its up row
     prefetch = pdl.prefetch_bytes(2 * pairs, half * w13.element_size())
