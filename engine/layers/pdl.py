@@ -161,21 +161,17 @@ def l2_prefetch_one() -> Any:
     import triton
     import triton.language as tl
 
+    prefetch_at = l2_prefetch_at()
+
     @triton.jit
     def prefetch_one(address, nbytes):
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p;\n"
-            " .reg .b32 t;\n"
-            " mov.u32 t, %tid.x;\n"
-            " setp.eq.u32 p, t, 0;\n"
-            " @p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
-            " mov.b32 $0, 0; }",
-            "=r,l,r",
-            [tl.full([1], address, tl.int64), tl.full([1], nbytes, tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        # The thread's index in the program (the input is unused: inline asm
+        # takes one at least).
+        thread = tl.inline_asm_elementwise(
+            "mov.u32 $0, %tid.x;", "=r,r", [tl.zeros([1], tl.int32)], dtype=tl.int32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+        prefetch_at(tl.full([1], address, tl.int64), nbytes, thread == 0)
 
     return prefetch_one
 
