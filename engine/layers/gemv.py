@@ -61,13 +61,19 @@ def _kernels() -> tuple[Any, Any]:
     l2_prefetch = pdl.l2_prefetch()
 
     @triton.jit
+    def prefetch_rows(w_ptr, K, PREFETCH: tl.constexpr, PREFETCH_PROGRAMS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
+        # With PDL only (_launch), before the wait: the launch's first
+        # programs ask for their weight rows (PREFETCH bytes each, whole rows).
+        if tl.program_id(0) < PREFETCH_PROGRAMS:
+            first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
+            l2_prefetch(first, PREFETCH, PREFETCH, BLOCK_N, THREADS)
+
+    @triton.jit
     def gemv(x_ptr, w_ptr, b_ptr, out_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = 0, PREFETCH_PROGRAMS: tl.constexpr = 0, THREADS: tl.constexpr = 128, PDL: tl.constexpr = False):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        # With PDL only (_launch): the first programs' weight rows, before the wait.
-        if PREFETCH > 0:  # noqa: SIM102 (a constant: nothing at all when off)
-            if tl.program_id(0) < PREFETCH_PROGRAMS:
-                first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
-                l2_prefetch(first, PREFETCH, PREFETCH, BLOCK_N, THREADS)
+        if PREFETCH > 0:  # a constant: nothing at all when off
+            prefetch_rows(w_ptr, K, PREFETCH, PREFETCH_PROGRAMS, BLOCK_N, THREADS)
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -95,10 +101,8 @@ def _kernels() -> tuple[Any, Any]:
         PDL: tl.constexpr = False,
     ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PREFETCH > 0:  # noqa: SIM102 (as gemv's)
-            if tl.program_id(0) < PREFETCH_PROGRAMS:
-                first = (w_ptr + tl.program_id(0).to(tl.int64) * BLOCK_N * K).to(tl.int64)
-                l2_prefetch(first, PREFETCH, PREFETCH, BLOCK_N, THREADS)
+        if PREFETCH > 0:  # a constant: nothing at all when off
+            prefetch_rows(w_ptr, K, PREFETCH, PREFETCH_PROGRAMS, BLOCK_N, THREADS)
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
