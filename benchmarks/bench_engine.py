@@ -8,6 +8,11 @@ built, the forward (a CUDA graph's replay where one runs the batch), the
 sampling, the tokens copied back. Where a graph runs it, the replay alone is
 timed too (``graph_replay_ms``: the device's part of the step).
 
+``--prefetch-bytes`` runs the batch sizes once for each value given (values
+may repeat, to alternate them), the decode graphs captured again with
+``engine.layers.pdl.PREFETCH_BYTES`` set to it: the products' L2 weight
+prefetch before their PDL wait, off by default; each row records its value.
+
 ``--model`` is a checkpoint dir or a preset name (presets use dummy weights).
 ``--hf`` then times HF transformers' own model of the same config in the same
 run (random weights, batch 1: a forward of ``--input-len`` tokens, and greedy
@@ -27,6 +32,7 @@ import torch
 from benchmarks.common import KERNEL_SETTINGS, add_engine_flag, machine, write_record
 from engine.config import EngineConfig, resolve_device
 from engine.forward_batch import ExtendSpec, ForwardBatch, build_forward_batch
+from engine.layers import pdl
 from engine.model_config import ModelConfig
 from engine.presets import PRESETS
 from engine.runner import ModelRunner
@@ -171,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON file to write (default: benchmarks/results/engine-<model>-<date>.json)",
     )
     ap.add_argument(
+        "--prefetch-bytes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="L2 weight prefetch budgets to compare, each with its own decode graphs "
+        "(default: the engine's, once)",
+    )
+    ap.add_argument(
         "--hf",
         action="store_true",
         help="also time HF transformers' model of the same config (batch 1), for the ratio",
@@ -257,7 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     load_s = time.perf_counter() - t0
 
     runner_quantization = runner.model_config.quantization
-    rows = [bench_one(runner, b, args) for b in args.batch_sizes]
+    rows = []
+    for budget in args.prefetch_bytes or [None]:
+        if budget is not None:
+            if runner.graphs is None:
+                raise SystemExit("--prefetch-bytes compares decode graphs; none are captured")
+            pdl.PREFETCH_BYTES = budget
+            runner.capture_decode_graphs()
+        for b in args.batch_sizes:
+            rows.append({**bench_one(runner, b, args), "prefetch_bytes": pdl.PREFETCH_BYTES})
     print(
         f"model={model} dtype={mc.dtype} device={args.device} backend={cfg.attention_backend} "
         f"cuda_graph_max_bs={cfg.cuda_graph_max_bs} "
@@ -265,14 +287,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{'batch':>6} {'input':>6} {'prefill tok/s':>14} {'decode ms/step':>15} "
-        f"{'graph replay ms':>16} {'decode tok/s':>13}"
+        f"{'graph replay ms':>16} {'decode tok/s':>13} {'prefetch':>9}"
     )
     for r in rows:
         replay = r["graph_replay_ms"]
         print(
             f"{r['batch_size']:>6} {r['input_len']:>6} {r['prefill_tokens_per_s']:>14.0f} "
             f"{r['decode_step_ms_median']:>15.2f} {'-' if replay is None else f'{replay:.2f}':>16} "
-            f"{r['decode_tokens_per_s']:>13.0f}"
+            f"{r['decode_tokens_per_s']:>13.0f} {r['prefetch_bytes']:>9}"
         )
     hf_row = None
     if args.hf:

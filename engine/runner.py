@@ -192,14 +192,7 @@ class ModelRunner:
         times.done("attention")
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graph_max_bs:
-            assert isinstance(self.attn, FlashInferAttention)
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(
-                    self.model,
-                    self.attn,
-                    config.cuda_graph_max_bs,
-                    max_pages_per_request=-(-config.context_length // config.page_size),
-                )
+            self.capture_decode_graphs()
             times.done("decode graphs")
         self.pieces: PieceGraphs | None = None
         """Prefill and mixed forwards of up to ``cuda_graph_max_tokens`` tokens."""
@@ -352,6 +345,22 @@ class ModelRunner:
             rows = sum(bucket_sizes(graph_tokens))
             graphs += rows * self.model_config.hidden_size * self.model_config.dtype.itemsize
         return activations, graphs
+
+    def capture_decode_graphs(self) -> None:
+        """(Re)capture the decode graphs up to ``cuda_graph_max_bs`` rows, the
+        old ones released first (a benchmark's kernel setting changed between
+        captures: ``benchmarks.bench_engine --prefetch-bytes``)."""
+        config = self.config
+        assert isinstance(self.attn, FlashInferAttention)
+        self.graphs = None
+        torch.cuda.empty_cache()
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.attn,
+                config.cuda_graph_max_bs,
+                max_pages_per_request=-(-config.context_length // config.page_size),
+            )
 
     @property
     def graph_max_bs(self) -> int:
