@@ -115,3 +115,50 @@ def test_fused_prologue_with_checkpoint_kv_scales() -> None:
             _assert_close(got, ref, f"step {i}", True)
     for r, pages_taken in zip(runners, taken):
         r.pool.allocator.free(pages_taken)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_write_back_leaves_what_the_pages_hold(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """``write_back`` (the fresh-prompt graphs' form, each row its own
+    request): k and v rewritten to the values the pages hold, to the bit.
+    Rotated rows at their positions, with a K and a V scale; then rows at
+    position 0 (where the rotation leaves them as they are) of the probes of
+    ``e4m3_values``, which on e4m3 pages must also be torch's own cast."""
+    from e4m3_values import e4m3_rounded, probe_rows
+
+    from engine.attention.rope_kv_write import AppendIndex, QKPrologue, rope_kv_write
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+    from engine.layers.kernels import TorchKernels
+    from engine.layers.rotary import RotaryEmbedding
+
+    heads, kv_heads, d, n = 4, 2, 128, 128
+    g = torch.Generator().manual_seed(4)
+    pool = KVPool(KVPoolConfig(n // PAGE_SIZE + 1, PAGE_SIZE, 1, kv_heads, d, kv_dtype, "cuda:0"))
+    rows = torch.arange(n, device="cuda:0")
+    pages, slots = 1 + rows // PAGE_SIZE, rows % PAGE_SIZE
+    index = AppendIndex(rows, slots, rows, pages, rows)
+    table = RotaryEmbedding(d, 10000.0, None, 1024, TorchKernels()).table().cuda()
+    width = (heads + 2 * kv_heads) * d
+    random = (torch.randn(n, width, generator=g) * 3).to(dtype).cuda()
+    probes = torch.zeros(n, width, dtype=dtype)
+    probes[:, heads * d :] = probe_rows(n, 2 * kv_heads * d, seed=5).to(dtype)
+    for qkv, positions, scales in (
+        (random, rows, (0.7, 1.3)),
+        (probes.cuda(), torch.zeros_like(rows), None),
+    ):
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        k, v = k.view(n, kv_heads, d), v.view(n, kv_heads, d)
+        kv_in = qkv[:, heads * d :].float().clone()
+        pre = QKPrologue(positions, table, None, None, 1e-6, scales)
+        rope_kv_write(q.view(n, heads, d), k, v, pre, pool.k_layer(0), pool.v_layer(0), index,
+                      write_back=True)  # fmt: skip
+        held_k = pool.k_layer(0)[pages, slots].to(dtype)
+        held_v = pool.v_layer(0)[pages, slots].to(dtype)
+        assert torch.equal(k, held_k), (k != held_k).sum().item()
+        assert torch.equal(v, held_v), (v != held_v).sum().item()
+        if scales is None and kv_dtype == torch.float8_e4m3fn:
+            want = e4m3_rounded(kv_in).view(n, 2, kv_heads, d)
+            assert torch.equal(held_k.float(), want[:, 0]) and torch.equal(
+                held_v.float(), want[:, 1]
+            )

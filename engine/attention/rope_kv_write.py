@@ -207,18 +207,47 @@ def _kernel() -> Any:
                 y2 = tl.clamp(y2, -FP8_LIMIT, FP8_LIMIT)
                 vals = tl.clamp(vals, -FP8_LIMIT, FP8_LIMIT)
             out_dtype = k_cache.dtype.element_ty
-            k1, k2, vals = y1.to(out_dtype), y2.to(out_dtype), vals.to(out_dtype)
+            k1, k2, v1 = y1.to(out_dtype), y2.to(out_dtype), vals.to(out_dtype)
             tl.store(k_cache + dst, k1, mask=live[:, None])
             tl.store(k_cache + dst + HALF, k2, mask=live[:, None])
-            tl.store(v_cache + base[:, None] + vd[None, :], vals, mask=live[:, None])
+            tl.store(v_cache + base[:, None] + vd[None, :], v1, mask=live[:, None])
             if WRITE_BACK:
                 # The rows as the pages now hold them, back in the source's
                 # dtype (exact: e4m3 values are bf16/fp16 ones), over the
-                # rows they came from; each row is this program's alone.
-                tl.store(at, k1.to(dtype), mask=live[:, None])
-                tl.store(at + HALF, k2.to(dtype), mask=live[:, None])
+                # rows they came from; each row is this program's alone. The
+                # e4m3 values are computed in float32 rather than widened
+                # from k1, k2, v1: Triton 3.6 for sm_90 widens the half-row
+                # e4m3 tensors k1 and k2 wrongly (some elements from the
+                # wrong bytes; tests/test_rope_kv_write_gpu.py).
+                if TO_FP8:
+                    # Each float32 value (within +-FP8_LIMIT) to the nearest
+                    # e4m3 value, ties to even, as the cast rounds: scaled by
+                    # 2^(3 - e), e its exponent (at least the smallest
+                    # normal's, -6), to a number under 16 whose integer part
+                    # keeps 3 fraction bits; rounded to an integer by adding
+                    # and taking away 1.5 x 2^23 (float32's own rounding, ties
+                    # to even); scaled back. The scales are powers of two, so
+                    # only that one rounding happens. Written out three times:
+                    # Triton's interpreter does not see a kernel's closure.
+                    e1 = tl.maximum(((y1.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+                    e2 = tl.maximum(((y2.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+                    ev = tl.maximum(((vals.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+                    # 2^(3 - e) and 2^(e - 3) from their exponent fields.
+                    up1 = ((130 - e1) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+                    up2 = ((130 - e2) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+                    upv = ((130 - ev) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+                    down1 = ((e1 + 124) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+                    down2 = ((e2 + 124) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+                    downv = ((ev + 124) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+                    r1 = (y1 * up1 + 12582912.0 - 12582912.0) * down1
+                    r2 = (y2 * up2 + 12582912.0 - 12582912.0) * down2
+                    rv = (vals * upv + 12582912.0 - 12582912.0) * downv
+                else:
+                    r1, r2, rv = k1, k2, v1
+                tl.store(at, r1.to(dtype), mask=live[:, None])
+                tl.store(at + HALF, r2.to(dtype), mask=live[:, None])
                 v_rows = v + token[:, None] * stride_v_tok + head[:, None] * stride_v_head
-                tl.store(v_rows + vd[None, :], vals.to(dtype), mask=live[:, None])
+                tl.store(v_rows + vd[None, :], rv.to(dtype), mask=live[:, None])
 
     return rope_kv_write_kernel
 
