@@ -118,8 +118,8 @@ def test_fused_prologue_with_checkpoint_kv_scales() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_write_back_leaves_what_the_pages_hold(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("e4m3", [False, True], ids=["model-dtype-pages", "e4m3-pages"])
+def test_write_back_leaves_what_the_pages_hold(dtype: torch.dtype, e4m3: bool) -> None:
     """``write_back`` (the fresh-prompt graphs' form, each row its own
     request): k and v rewritten to the values the pages hold, to the bit.
     Rotated rows at their positions, with a K and a V scale; then rows at
@@ -133,6 +133,7 @@ def test_write_back_leaves_what_the_pages_hold(dtype: torch.dtype, kv_dtype: tor
     from engine.layers.rotary import RotaryEmbedding
 
     heads, kv_heads, d, n = 4, 2, 128, 128
+    kv_dtype = torch.float8_e4m3fn if e4m3 else dtype
     g = torch.Generator().manual_seed(4)
     pool = KVPool(KVPoolConfig(n // PAGE_SIZE + 1, PAGE_SIZE, 1, kv_heads, d, kv_dtype, "cuda:0"))
     rows = torch.arange(n, device="cuda:0")
@@ -157,7 +158,7 @@ def test_write_back_leaves_what_the_pages_hold(dtype: torch.dtype, kv_dtype: tor
         held_v = pool.v_layer(0)[pages, slots].to(dtype)
         assert torch.equal(k, held_k), (k != held_k).sum().item()
         assert torch.equal(v, held_v), (v != held_v).sum().item()
-        if scales is None and kv_dtype == torch.float8_e4m3fn:
+        if scales is None and e4m3:
             want = e4m3_rounded(kv_in).view(n, 2, kv_heads, d)
             assert torch.equal(held_k.float(), want[:, 0]) and torch.equal(
                 held_v.float(), want[:, 1]
