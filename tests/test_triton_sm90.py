@@ -260,18 +260,25 @@ def test_rope_and_kv_write(preset: str, kv_dtype: torch.dtype, launches: list[La
                 index,
             )
     # A fresh-prompt bucket's graph (``forward_fresh_fused``): int64 rows,
-    # pages and slots, k and v written back.
-    n = 2048
-    qkv = _empty(n, (c.num_heads + 2 * c.num_kv_heads) * d)
-    q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
-    rows = torch.zeros(n, dtype=torch.int64)
-    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=kv_dtype))
-    pre = QKPrologue(rows, table, norm, norm, 1e-6, None)
-    rope_kv_write(q.view(n, c.num_heads, d), k.view(n, c.num_kv_heads, d),
-                  v.view(n, c.num_kv_heads, d), pre, pool.k_layer(3), pool.v_layer(3),
-                  AppendIndex(rows, rows, rows, rows, rows), write_back=True)  # fmt: skip
-    assert launches[-1][2]["WRITE_BACK"] is True
-    compile_all(launches, 5)
+    # pages and slots, k and v written back; a small bucket and a large one
+    # (the two row blocks).
+    for n in (16, 2048):
+        qkv = _empty(n, (c.num_heads + 2 * c.num_kv_heads) * d)
+        q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        rows = torch.zeros(n, dtype=torch.int64)
+        pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=kv_dtype))
+        pre = QKPrologue(rows, table, norm, norm, 1e-6, None)
+        rope_kv_write(q.view(n, c.num_heads, d), k.view(n, c.num_kv_heads, d),
+                      v.view(n, c.num_kv_heads, d), pre, pool.k_layer(3), pool.v_layer(3),
+                      AppendIndex(rows, rows, rows, rows, rows), write_back=True)  # fmt: skip
+    assert [kw["WRITE_BACK"] for _, _, kw in launches[-2:]] == [True, True]
+    compile_all(launches, 6)
+    if kv_dtype == fp8.E4M3:
+        # Widening the half-row e4m3 tensors of the K branch is what Triton
+        # 3.6 compiles wrongly for sm_90: the write-back computes the pages'
+        # values in float32 instead, so no e4m3 value is widened there.
+        for launch in launches[-2:]:
+            assert "cvt.rn.f16x2.e4m3x2" not in ptx_sm90(launch)
 
 
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
