@@ -19,7 +19,7 @@ Each gets a chat completion, the same streamed, a ``json_schema`` request and
 ``GET /metrics``. In c and d the decode worker is then SIGKILLed (front and
 engine) in the middle of a stream, which must end with an error, not hang, and
 restarted on the same port, after which a request must succeed. On CUDA,
-``python -m pytest -q -m gpu`` runs last.
+``python -m pytest -q -m gpu`` runs last (failures a line each).
 
 M: ``--model`` (a checkpoint directory or a preset of ``engine/presets.py``,
 which implies ``--load-format dummy``); by default ``llama-3.1-8b`` with random
@@ -340,7 +340,11 @@ def check_restart(d: Deployment) -> str:
 
 
 def check_pytest(log_dir: Path) -> str:
-    p = Proc("pytest", py("pytest", "-q", "-m", "gpu"), log_dir / "pytest.log")
+    # One line a failure (where it failed and the assertion's message), and a
+    # wide summary whose lines keep their messages: the log's last lines, which
+    # a failed check prints, then say why without the log itself.
+    cmd = py("pytest", "-q", "-m", "gpu", "--tb=line", "-rfE")
+    p = Proc("pytest", cmd, log_dir / "pytest.log", {"COLUMNS": "240"})
     with running([p]):
         p.start()
         assert p.proc is not None
