@@ -85,9 +85,9 @@ def _reference(
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 32), (2, 2, 16), (12, 2, 32)])
 @pytest.mark.parametrize("kv_dtype", [torch.float16, KV_FP8])
 @pytest.mark.parametrize(
-    ("splits", "block_pages", "chunk_pages", "early_v"),
-    [(1, 2, 0, False), (4, 1, 0, True), (32, 2, 0, False), (1, 2, 2, True), (4, 1, 3, False),
-     (32, 2, 1, True)],
+    ("splits", "block_pages", "chunk_pages", "early_v", "heads_first"),
+    [(1, 2, 0, False, False), (4, 1, 0, True, True), (32, 2, 0, False, False),
+     (1, 2, 2, True, True), (4, 1, 3, False, False), (32, 2, 1, True, True)],
 )  # fmt: skip
 def test_matches_float64_attention_over_the_same_pages(
     heads: int,
@@ -98,6 +98,7 @@ def test_matches_float64_attention_over_the_same_pages(
     block_pages: int,
     chunk_pages: int,
     early_v: bool,
+    heads_first: bool,
 ) -> None:
     from engine.attention.paged_decode import paged_decode
 
@@ -115,7 +116,9 @@ def test_matches_float64_attention_over_the_same_pages(
     out = out_buf[:, 1 : heads + 1]
     scales = (0.5, 2.0) if kv_dtype == KV_FP8 else (1.0, 1.0)
     sm_scale = 1 / math.sqrt(head_dim)
-    decode_plan = DecodePlan(splits, block_pages, chunk_pages=chunk_pages, early_v=early_v)
+    decode_plan = DecodePlan(
+        splits, block_pages, chunk_pages=chunk_pages, early_v=early_v, heads_first=heads_first
+    )
     paged_decode(q, pool.k_layer(LAYER), pool.v_layer(LAYER), indptr, indices, last, out,
                  sm_scale, decode_plan, k_scale=scales[0], v_scale=scales[1])  # fmt: skip
     ref = _reference(q, pool, LENGTHS, tables, sm_scale, scales)
@@ -132,7 +135,8 @@ def test_matches_float64_attention_over_the_same_pages(
 def test_pages_with_heads_outermost_read_through_their_strides(kv_dtype: torch.dtype) -> None:
     """The same K/V stored heads outermost within a page (each head's tokens
     in one run, as ``bench_attention``'s ``HND`` times it) and passed as a
-    ``[page, tokens, heads, dim]`` view: the same output, to the bit."""
+    ``[page, tokens, heads, dim]`` view: the same output, to the bit; and
+    so with the programs of a request's heads placed together."""
     from engine.attention.paged_decode import paged_decode
 
     heads, kv_heads, d = 8, 2, 32
@@ -148,11 +152,13 @@ def test_pages_with_heads_outermost_read_through_their_strides(kv_dtype: torch.d
     indptr, indices, last = _index(LENGTHS, tables)
     q = torch.randn(len(LENGTHS), heads, d, generator=g).to(torch.float16)
     outs = []
-    for cache in ((k, v), (k_hnd, v_hnd)):
+    for cache, heads_first in (((k, v), False), ((k_hnd, v_hnd), False), ((k, v), True)):
         out = torch.empty_like(q)
-        paged_decode(q, *cache, indptr, indices, last, out, d**-0.5, DecodePlan(4, 2))
+        decode_plan = DecodePlan(4, 2, heads_first=heads_first)
+        paged_decode(q, *cache, indptr, indices, last, out, d**-0.5, decode_plan)
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    # The grid's order (DecodePlan.heads_first) moves no bit either.
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     ref = _reference(q, pool, LENGTHS, tables, d**-0.5, (1.0, 1.0))
     assert ((outs[1].double() - ref).norm() / ref.norm()).item() < 1.5e-3
 

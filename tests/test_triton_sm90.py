@@ -361,6 +361,29 @@ def test_paged_decode_attention(preset: str, kv_dtype: torch.dtype, launches: li
     assert len({sm90.specialized(launch)[0] for launch in launches}) == 8
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.E4M3])
+def test_paged_decode_heads_first(kv_dtype: torch.dtype, launches: list[Launch]) -> None:
+    """The engine's plans with a request's KV heads' programs placed together
+    (``DecodePlan.heads_first``: the grid's axes swapped), split at batch 1
+    and whole at 256."""
+    from engine.attention import paged_decode as pd
+    from engine.kvcache.pool import KVPool, KVPoolConfig
+
+    c = ModelConfig.from_dict(PRESETS["llama-3.1-8b"], dtype=torch.bfloat16)
+    d = c.head_dim
+    pool = KVPool(KVPoolConfig(4, 16, c.num_layers, c.num_kv_heads, d, dtype=kv_dtype))
+    for batch in (1, 256):
+        q = _empty(batch, c.num_heads + 2 * c.num_kv_heads, d)[:, : c.num_heads]
+        out = _empty(batch, c.num_heads, d)
+        ints = torch.zeros(batch + 1, dtype=torch.int32)
+        plan = pd.plan(batch, c.num_kv_heads, e4m3=kv_dtype == fp8.E4M3)._replace(heads_first=True)
+        pd.paged_decode(q, pool.k_layer(3), pool.v_layer(3), ints, ints, ints[:batch], out,
+                        d**-0.5, plan)  # fmt: skip
+    split = [kw for k, _, kw in launches if k.fn.__name__ == "split_attend"]
+    assert [kw["HEADS_FIRST"] for kw in split] == [True, True]
+    compile_all(launches, 3)
+
+
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
 def test_decode_attention_widens_e4m3_v_before_the_tensor_cores(
     preset: str, monkeypatch: pytest.MonkeyPatch, launches: list[Launch]

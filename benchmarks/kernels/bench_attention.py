@@ -96,9 +96,13 @@ or more (else chunks by the split), V loaded before the scores, V widened to
 fp16 before the tensor cores over e4m3 pages, a cap on registers a thread.
 ``triton-plan``: the engine's own plan for the batch (``paged_decode.plan``);
 ``triton-plan-wv`` and ``triton-plan-bytes``: that plan with V widened, or
-read byte-wise, over e4m3 pages."""
+read byte-wise, over e4m3 pages; ``triton-plan-hf``: that plan with a
+request's KV heads' programs placed together."""
 PLANNED = {"triton-plan": None, "triton-plan-wv": True, "triton-plan-bytes": False}
-TRITON = (*TRITON_TILES, *PLANNED)
+HEADS_FIRST = {"triton-plan-hf": "triton-plan"}
+"""A planned variant with a request's KV heads' programs placed together
+(``DecodePlan.heads_first``) -> the plan it changes."""
+TRITON = (*TRITON_TILES, *PLANNED, *HEADS_FIRST)
 KERNELS = ("cuda-core", "fa2", "fa3", *TRITON)
 Q_DTYPE = torch.bfloat16
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -279,6 +283,10 @@ def triton_plan(
     (``group``: query heads per KV head)."""
     from engine.attention import paged_decode as pd
 
+    if variant.kernel in HEADS_FIRST:
+        base = variant._replace(kernel=HEADS_FIRST[variant.kernel])
+        plain = triton_plan(base, batch_size, num_kv_heads, sms, e4m3, group)
+        return plain._replace(heads_first=True)
     if variant.kernel in PLANNED:
         widen = PLANNED[variant.kernel]
         decode_plan = pd.plan(

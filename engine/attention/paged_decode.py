@@ -111,6 +111,15 @@ class DecodePlan(NamedTuple):
     """A cap on the registers a thread of the split kernel takes (Triton's
     ``maxnreg``; what the compiler cannot keep under it spills), so that
     more programs fit an SM; 0: the compiler's choice."""
+    heads_first: bool = False
+    """Place a request's KV heads' programs next to each other (the launch
+    grid's fastest axis the heads, not the requests). In the pool's pages
+    (``[page, token, head, dim]``) a head's row of a token is ``head_dim``
+    elements and the next token's row of that head lies one token's rows of
+    every head further on; programs of one request's heads running together
+    read the rows of the same tokens at about the same time, a contiguous
+    span between them, as pages with the heads outermost would give one
+    program. The same programs compute the same numbers either way."""
 
     @property
     def partials(self) -> int:
@@ -214,11 +223,18 @@ def _kernels() -> tuple[Any, Any]:
                      PAGE: tl.constexpr, BLOCK_PAGES: tl.constexpr, CHUNK_PAGES: tl.constexpr,
                      MAX_CHUNKS: tl.constexpr, COMPUTE: tl.constexpr,
                      EARLY_V: tl.constexpr, WIDEN_V: tl.constexpr = False,
+                     HEADS_FIRST: tl.constexpr = False,
                      PDL: tl.constexpr = False):  # fmt: skip
         if PDL:  # engine.layers.pdl; a constant: nothing at all when off
             prologue()
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        if HEADS_FIRST:  # the grid (kv_heads, batch, splits): DecodePlan.heads_first
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+            kv_heads = tl.num_programs(0)
+        else:  # (batch, kv_heads, splits)
+            b = tl.program_id(0)
+            h = tl.program_id(1)
+            kv_heads = tl.num_programs(1)
         s = tl.program_id(2)
         BLOCK_N: tl.constexpr = BLOCK_PAGES * PAGE
         first = tl.load(indptr + b)
@@ -302,7 +318,7 @@ def _kernels() -> tuple[Any, Any]:
                         best = top
                 if (splits > 1) | (CHUNK_PAGES == 0):
                     # Partials [batch, heads, partials, (D)].
-                    row = (b * tl.num_programs(1) * G + heads) * partials + c
+                    row = (b * kv_heads * G + heads) * partials + c
                     tl.store(part_o + row[:, None] * D + d[None, :], o, mask=g_ok[:, None])
                     tl.store(part_lse + row, lse, mask=g_ok)
         if CHUNK_PAGES > 0:  # noqa: SIM102 (a constant: the block is in chunked binaries only)
@@ -475,7 +491,8 @@ def paged_decode(
     split_attend, merge = _kernels()
     launch = pdl.launch_options(q.device)
     log2e = 1.4426950408889634
-    split_attend[(batch, num_kv_heads, splits)](
+    grid = (num_kv_heads, batch) if decode_plan.heads_first else (batch, num_kv_heads)
+    split_attend[(*grid, splits)](
         q, k_cache, v_cache, indptr, indices, last_page_len, out, parts.o, parts.lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
@@ -483,7 +500,7 @@ def paged_decode(
         G=group, G_PAD=group_rows(num_heads, num_kv_heads), D=head_dim,
         PAGE=k_cache.shape[1], BLOCK_PAGES=decode_plan.block_pages,
         CHUNK_PAGES=decode_plan.chunk_pages, MAX_CHUNKS=MAX_SPLITS, COMPUTE=compute,
-        EARLY_V=decode_plan.early_v,
+        EARLY_V=decode_plan.early_v, HEADS_FIRST=decode_plan.heads_first,
         WIDEN_V=decode_plan.widen_v and k_cache.dtype == E4M3 and widens(q.device),
         num_warps=decode_plan.warps, num_stages=decode_plan.stages,
         **launch, **({"maxnreg": decode_plan.registers} if decode_plan.registers and q.is_cuda else {}),
