@@ -352,8 +352,9 @@ class ModelRunner:
         captures: ``benchmarks.bench_engine --prefetch-bytes``)."""
         config = self.config
         assert isinstance(self.attn, FlashInferAttention)
-        self.graphs = None
-        torch.cuda.empty_cache()
+        if self.graphs is not None:  # their memory back before the new ones take theirs
+            self.graphs = None
+            torch.cuda.empty_cache()
         with torch.inference_mode():
             self.graphs = DecodeGraphs(
                 self.model,
